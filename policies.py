@@ -1,0 +1,247 @@
+"""Policies: the base model, hand-written LoRA adapters, and which role trains which weights.
+
+    model, tok = load("toy" | "0.6b" | "1.7b" | "4b" | "/path/to/hf/folder")
+    policy = Policy(model, tok, roles=("generator", "aggregator"), sharing="isolated")
+    with policy.using(policy.adapter("aggregator")) as m:   # m is the module to call
+        logits = m(input_ids, attention_mask=..., position_ids=...).logits
+
+Choices, each a flag of train.py:
+- LoRA (`--lora-rank 64 --lora-alpha 32`, the paper's values) on every nn.Linear of the frozen
+  base except the output head; y = W x + (alpha / r) * B A x with A ~ kaiming-uniform and B = 0,
+  so a fresh adapter leaves the base unchanged. The adapters live here, not inside the model:
+  one forward hook per linear layer adds the delta of the *active* adapter, so the model object
+  stays a plain Hugging Face model (save_pretrained, generate and KL-to-base keep working).
+- `--sharing shared`: one adapter "shared" for every role. `--sharing isolated`: one adapter per
+  role type (the 3 voters share "generator", all workers share "worker").
+- `--isolation full`: instead of adapters, a full trainable copy of the model per adapter name
+  (small models only); the loaded model stays frozen as the base.
+- The active adapter is one name for the whole batch, `None` for the base, or a list with one
+  name per row (rows are grouped by adapter inside each hook) so one batch can mix roles.
+- Adapters are saved in PEFT's file layout (adapter_config.json + adapter_model.safetensors with
+  keys `base_model.model.<module>.lora_A.weight`), so peft and vLLM's multi-LoRA serving load a
+  trained role as it is; `export_merged` writes W + (alpha/r) B A as an ordinary model folder.
+"""
+import contextlib
+import copy
+import json
+import math
+import os
+
+import torch
+import torch.nn as nn
+
+HUB_IDS = {"0.6b": "Qwen/Qwen3-0.6B", "1.7b": "Qwen/Qwen3-1.7B", "4b": "Qwen/Qwen3-4B"}
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None):
+    """(model, tokenizer) for a scale name, `toy`, or a local Hugging Face model folder.
+
+    The base model is frozen (requires_grad False) and in eval mode (no dropout)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype is None:  # bf16 on GPU as in the paper; fp32 on CPU where bf16 matmuls are slow
+        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if scale == "toy":
+        import toy
+        path = toy.model_folder()
+    elif scale in HUB_IDS:
+        path = HUB_IDS[scale]
+    elif os.path.isdir(scale):
+        if not os.path.isfile(os.path.join(scale, "config.json")):
+            raise ValueError(f"--scale {scale}: folder has no config.json, so it is not a model folder")
+        path = scale
+    else:
+        raise ValueError(f"--scale {scale!r}: expected toy, {', '.join(HUB_IDS)}, or a local model folder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:  # offline, unknown repo, missing files
+        raise RuntimeError(f"could not load {path!r} ({str(e).splitlines()[0][:160]}); "
+                           f"download it once with `huggingface-cli download {path}` on a machine with "
+                           f"network and pass its local folder as --scale") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def stop_ids(model, tokenizer) -> list:
+    """Every id that ends a completion: all generation-config eos ids (Qwen has two) + the
+    tokenizer's eos."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    ids = [i for i in ids if i is not None] + [tokenizer.eos_token_id]
+    return sorted({int(i) for i in ids if i is not None})
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+def lora_targets(model) -> dict:
+    """name -> nn.Linear for every linear layer LoRA adapts (all but the output head)."""
+    head = model.get_output_embeddings()
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+
+
+class LoRA(nn.Module):
+    """Named low-rank adapters over the linear layers of a frozen model, applied by hooks."""
+
+    def __init__(self, model, names, rank: int = 64, alpha: float = 32.0):
+        super().__init__()
+        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+        self.targets = lora_targets(model)
+        self.active = None  # None (base), a name, or a list of names, one per row
+        # per adapter name, one parameter list aligned with `targets` (module names contain
+        # dots, which parameter-dict keys may not)
+        self.A = nn.ModuleDict()
+        self.B = nn.ModuleDict()
+        for name in names:
+            self.add(name)
+        self._hooks = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.targets.values())]
+
+    def add(self, name: str):
+        mods = list(self.targets.values())
+        p = next(mods[0].parameters())
+        A = nn.ParameterList()
+        B = nn.ParameterList()
+        for m in mods:
+            a = torch.empty(self.rank, m.in_features, device=p.device, dtype=torch.float32)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as nn.Linear initialises its weight
+            A.append(nn.Parameter(a))
+            B.append(nn.Parameter(torch.zeros(m.out_features, self.rank, device=p.device)))
+        self.A[name], self.B[name] = A, B
+
+    def delta(self, name: str, i: int, x):
+        # fp32 adapters on a bf16 base: compute in fp32, return in the base's dtype
+        return (x.float() @ self.A[name][i].t() @ self.B[name][i].t() * self.scale).to(x.dtype)
+
+    def _hook(self, i: int):
+        def hook(module, inputs, out):
+            active = self.active
+            if active is None:
+                return out
+            x = inputs[0]
+            if isinstance(active, str):
+                return out + self.delta(active, i, x)
+            out = out.clone()  # per-row adapters: rows grouped by name
+            for name in set(active):
+                rows = torch.tensor([r for r, a in enumerate(active) if a == name], device=x.device)
+                out[rows] += self.delta(name, i, x[rows])
+            return out
+        return hook
+
+    def merged_weight(self, name: str, i: int, weight):
+        """W + scale * B A, in W's dtype."""
+        return (weight.float() + self.scale * self.B[name][i] @ self.A[name][i]).to(weight.dtype)
+
+    def remove(self):
+        for h in self._hooks:
+            h.remove()
+
+
+# ----------------------------------------------------------------------------- Policy
+
+class Policy(nn.Module):
+    """Role -> trainable weights. `shared`: one adapter; `isolated`: one per role type."""
+
+    def __init__(self, model, tokenizer, roles, sharing: str = "shared", isolation: str = "lora",
+                 rank: int = 64, alpha: float = 32.0):
+        super().__init__()
+        if sharing not in ("shared", "isolated"):
+            raise ValueError(f"sharing must be shared or isolated, got {sharing!r}")
+        if isolation not in ("lora", "full"):
+            raise ValueError(f"isolation must be lora or full, got {isolation!r}")
+        self.model, self.tokenizer = model, tokenizer
+        self.roles, self.sharing, self.isolation = tuple(roles), sharing, isolation
+        self.names = ["shared"] if sharing == "shared" else list(dict.fromkeys(self.roles))
+        model.requires_grad_(False)
+        if isolation == "lora":
+            self.lora = LoRA(model, self.names, rank, alpha)
+        else:  # a full trainable copy per adapter name; the loaded model stays the frozen base
+            self.copies = nn.ModuleDict({n: copy.deepcopy(model).requires_grad_(True) for n in self.names})
+
+    def adapter(self, role: str) -> str:
+        """Name of the weights a role uses and updates."""
+        if role not in self.roles:
+            raise KeyError(f"unknown role {role!r}; this workflow has {self.roles}")
+        return "shared" if self.sharing == "shared" else role
+
+    def parameters_of(self, name: str) -> list:
+        if self.isolation == "full":
+            return list(self.copies[name].parameters())
+        return list(self.lora.A[name].parameters()) + list(self.lora.B[name].parameters())
+
+    @contextlib.contextmanager
+    def using(self, name):
+        """Yield the module to call with adapter `name` active (None: the frozen base; a list:
+        one name per row, LoRA only)."""
+        if self.isolation == "full":
+            if isinstance(name, list):
+                raise ValueError("per-row adapters need --isolation lora")
+            yield self.model if name is None else self.copies[name]
+            return
+        prev, self.lora.active = self.lora.active, name
+        try:
+            yield self.model
+        finally:
+            self.lora.active = prev
+
+    # ------------------------------------------------------------------------- files
+
+    def save(self, folder: str):
+        """One sub-folder per adapter name, in PEFT's layout (LoRA) or as a model folder (full)."""
+        for name in self.names:
+            d = os.path.join(folder, name)
+            os.makedirs(d, exist_ok=True)
+            if self.isolation == "full":
+                self.copies[name].save_pretrained(d)
+                continue
+            from safetensors.torch import save_file
+            tensors = {}
+            for i, mod_name in enumerate(self.lora.targets):
+                key = f"base_model.model.{mod_name}"
+                tensors[f"{key}.lora_A.weight"] = self.lora.A[name][i].detach().contiguous().cpu()
+                tensors[f"{key}.lora_B.weight"] = self.lora.B[name][i].detach().contiguous().cpu()
+            save_file(tensors, os.path.join(d, "adapter_model.safetensors"), metadata={"format": "pt"})
+            short = sorted({n.rsplit(".", 1)[-1] for n in self.lora.targets})
+            cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.lora.rank,
+                   "lora_alpha": self.lora.alpha, "lora_dropout": 0.0, "bias": "none",
+                   "target_modules": short, "fan_in_fan_out": False, "inference_mode": True,
+                   "use_rslora": False, "modules_to_save": None,
+                   "base_model_name_or_path": getattr(self.model.config, "_name_or_path", "")}
+            with open(os.path.join(d, "adapter_config.json"), "w") as f:
+                json.dump(cfg, f, indent=2)
+
+    def load_adapters(self, folder: str):
+        """Load what `save` wrote (names missing from the folder raise)."""
+        for name in self.names:
+            d = os.path.join(folder, name)
+            if self.isolation == "full":
+                from transformers import AutoModelForCausalLM
+                src = AutoModelForCausalLM.from_pretrained(d, dtype=next(self.model.parameters()).dtype)
+                self.copies[name].load_state_dict(src.state_dict())
+                continue
+            from safetensors.torch import load_file
+            path = os.path.join(d, "adapter_model.safetensors")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no adapter {name!r} in {folder} (expected {path})")
+            t = load_file(path)
+            with torch.no_grad():
+                for i, mod_name in enumerate(self.lora.targets):
+                    key = f"base_model.model.{mod_name}"
+                    self.lora.A[name][i].copy_(t[f"{key}.lora_A.weight"])
+                    self.lora.B[name][i].copy_(t[f"{key}.lora_B.weight"])
+
+    def export_merged(self, name: str, folder: str):
+        """Write base + adapter `name` as an ordinary Hugging Face model folder."""
+        if self.isolation == "full":
+            self.copies[name].save_pretrained(folder)
+        else:
+            sd = self.model.state_dict()
+            with torch.no_grad():
+                for i, mod_name in enumerate(self.lora.targets):
+                    k = f"{mod_name}.weight"
+                    sd[k] = self.lora.merged_weight(name, i, sd[k])
+            self.model.save_pretrained(folder, state_dict=sd)
+        self.tokenizer.save_pretrained(folder)

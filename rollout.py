@@ -1,0 +1,132 @@
+"""Rollout: a hand-written batched sampler, and the `llm` that runs workflow stages through it.
+
+generate(model, prompts, ...) samples completions for a batch of token-id prompts:
+- prompts of different lengths are left-padded; position ids are `cumsum(mask) - 1` (the same
+  formula as the trainer in grpo.py), and the attention mask is always passed;
+- identical prompts are prefilled once and their KV cache rows replicated (prefix sharing: the
+  G rollouts of a problem, the 3 voters); each row still samples its own first token;
+- one forward per new token over a reused KV cache, logits for the last position only,
+  sampling on the device, one host sync per step (to stop when every row is done);
+- logits are divided by the temperature and upcast to fp32 before the log-softmax; the
+  returned logprob of a token is under that temperature-scaled distribution (top-p only
+  narrows which tokens can be drawn; with top_p=1, the paper's setting, it is exactly the
+  distribution sampled from, and what grpo.py recomputes). temperature=0 is greedy, and its
+  logprobs are then under the unscaled (T=1) distribution;
+- a row stops at the first of any stop id (Qwen3 has two); the stop token is kept with mask 1,
+  later positions are pad with mask 0; `finished` is False for rows cut at max_new_tokens.
+
+Run `python bench/generate.py` to compare its speed with `model.generate`.
+"""
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Generation:
+    tokens: torch.Tensor    # (B, T) completion ids, pad after the stop token
+    logprobs: torch.Tensor  # (B, T) fp32 logprob of each sampled token, 0 where mask is 0
+    mask: torch.Tensor      # (B, T) bool, True for real tokens, the stop token included
+    finished: torch.Tensor  # (B,) bool, True if the row emitted a stop id
+
+
+def _cache_kwarg(model) -> str:
+    # transformers 5.x renamed `past_key_values` to `cache` (the old name warns until 5.40)
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
+def left_pad(prompts: list, pad_id: int, device):
+    """(ids (B, P), mask (B, P)) with each prompt right-aligned."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, P - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _draw(probs, generator):
+    """One index per row of `probs` (B, V) by inverse CDF: a single uniform per row and a cumsum.
+    (torch.multinomial is several times slower on CPU for one sample a row.)"""
+    c = probs.cumsum(-1)                                               # (B, V)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * c[:, -1:]
+    # first index whose cumulative mass exceeds u: tokens of probability 0 are never chosen
+    return torch.searchsorted(c, u, right=True).clamp_(max=probs.shape[1] - 1).squeeze(-1)
+
+
+def sample_next(logits, temperature: float, top_p: float, generator):
+    """Draw one token per row from fp32 `logits` (B, V); return (ids (B,), logprobs (B,))."""
+    if temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)  # (B, V)
+        ids = logp.argmax(-1)
+    else:
+        logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, V)
+        probs = logp.exp()
+        if top_p < 1.0:
+            sp, si = probs.sort(-1, descending=True)
+            drop = sp.cumsum(-1) - sp > top_p   # keep the smallest prefix whose mass reaches top_p
+            ids = si.gather(-1, _draw(sp.masked_fill(drop, 0.0), generator)[:, None]).squeeze(-1)
+        else:
+            ids = _draw(probs, generator)
+    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+@torch.no_grad()  # not inference_mode: its tensors could not be reused by autograd later
+def generate(model, prompts: list, max_new_tokens: int, stop_ids, pad_id: int,
+             temperature: float = 1.0, top_p: float = 1.0, generator=None,
+             share_prefix: bool = True) -> Generation:
+    """Sample a completion for every prompt (a list of token-id lists)."""
+    if max_new_tokens < 1 or not prompts:
+        raise ValueError("generate needs at least one prompt and max_new_tokens >= 1")
+    dev = next(model.parameters()).device
+    B, T = len(prompts), max_new_tokens
+    if share_prefix:  # prefill each distinct prompt once
+        uniq = {}
+        src = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts], device=dev)
+        to_fill = [list(p) for p in uniq]
+    else:
+        src, to_fill = None, prompts
+    ids, mask = left_pad(to_fill, pad_id, dev)  # (B', P)
+    P = ids.shape[1]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)    # (B', P) same formula as the trainer
+    cache, ckw = _new_cache(model), _cache_kwarg(model)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                logits_to_keep=1, **{ckw: cache})
+    logits = out.logits[:, -1].float()          # (B', V)
+    next_pos = pos[:, -1] + 1                   # (B',) position of the first new token
+    if src is not None and len(to_fill) < B:    # replicate prefilled rows to the full batch
+        cache.batch_select_indices(src)
+        logits, mask, next_pos = logits[src], mask[src], next_pos[src]
+
+    stops = torch.tensor(sorted(set(stop_ids)), device=dev)
+    tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)   # (B, T)
+    logps = torch.zeros((B, T), dtype=torch.float32, device=dev)       # (B, T)
+    live = torch.ones((B, T), dtype=torch.bool, device=dev)            # (B, T)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)                # (B,)
+    attn = torch.cat([mask, torch.ones((B, T), dtype=mask.dtype, device=dev)], 1)  # (B, P+T)
+    t = 0
+    for t in range(T):
+        tok, lp = sample_next(logits, temperature, top_p, generator)
+        tok = tok.masked_fill(done, pad_id)     # rows already done emit pad
+        tokens[:, t], logps[:, t], live[:, t] = tok, lp.masked_fill(done, 0.0), ~done
+        done = done | torch.isin(tok, stops)
+        if t == T - 1 or bool(done.all()):      # the one host sync of the step
+            break
+        out = model(input_ids=tok[:, None], attention_mask=attn[:, : P + t + 1],
+                    position_ids=(next_pos + t)[:, None], use_cache=True, **{ckw: cache})
+        logits = out.logits[:, -1].float()      # (B, V)
+    n = t + 1  # columns actually produced; the rest is pad
+    live[:, n:] = False
+    return Generation(tokens[:, :n], logps[:, :n], live[:, :n], done)

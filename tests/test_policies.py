@@ -1,0 +1,142 @@
+"""Hand-written LoRA and the Shared / Isolated routing of roles to trainable weights."""
+import json
+import os
+
+import pytest
+import torch
+
+import policies
+from conftest import tiny_qwen3
+
+IDS = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+ROLES = ("generator", "aggregator")
+
+
+def randomise(policy, name, scale=0.1):
+    with torch.no_grad():
+        for p in policy.parameters_of(name):
+            p.normal_(0, scale)
+
+
+def test_fresh_adapter_leaves_base_unchanged():
+    m = tiny_qwen3()
+    base = m(IDS).logits
+    pol = policies.Policy(m, None, ROLES, "isolated", rank=4, alpha=8)
+    for name in pol.names:
+        with pol.using(name) as mod:
+            assert torch.equal(mod(IDS).logits, base)
+
+
+def test_lora_targets_every_linear_but_the_head():
+    m = tiny_qwen3()
+    t = policies.lora_targets(m)
+    assert len(t) == 7 * m.config.num_hidden_layers  # q k v o gate up down
+    assert m.lm_head not in t.values()
+
+
+def test_isolated_loss_on_one_role_reaches_only_its_adapter():
+    m = tiny_qwen3()
+    pol = policies.Policy(m, None, ROLES, "isolated", rank=4, alpha=8)
+    for n in pol.names:
+        randomise(pol, n)  # B != 0 so gradients reach A too
+    with pol.using(pol.adapter("aggregator")) as mod:
+        mod(IDS).logits.square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in pol.parameters_of("aggregator"))
+    assert all(p.grad is None for p in pol.parameters_of("generator"))
+    assert all(p.grad is None for p in m.parameters())  # the base never gets gradients
+
+
+def test_shared_every_role_reaches_the_one_adapter():
+    m = tiny_qwen3()
+    pol = policies.Policy(m, None, ROLES, "shared", rank=4, alpha=8)
+    assert pol.names == ["shared"] and {pol.adapter(r) for r in ROLES} == {"shared"}
+    randomise(pol, "shared")
+    for role in ROLES:
+        for p in pol.parameters_of("shared"):
+            p.grad = None
+        with pol.using(pol.adapter(role)) as mod:
+            mod(IDS).logits.square().mean().backward()
+        assert all(p.grad is not None for p in pol.parameters_of("shared"))
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_per_row_adapters_equal_separate_batches():
+    m = tiny_qwen3()
+    pol = policies.Policy(m, None, ROLES, "isolated", rank=4, alpha=8)
+    for n in pol.names:
+        randomise(pol, n)
+    with torch.no_grad():
+        with pol.using(["generator", "aggregator"]) as mod:
+            mixed = mod(IDS).logits
+        with pol.using("generator") as mod:
+            a = mod(IDS[:1]).logits
+        with pol.using("aggregator") as mod:
+            b = mod(IDS[1:]).logits
+    assert torch.allclose(mixed, torch.cat([a, b]), atol=1e-5)
+
+
+def test_save_load_roundtrip_in_peft_layout(tmp_path):
+    from safetensors.torch import load_file
+    m = tiny_qwen3()
+    pol = policies.Policy(m, None, ROLES, "isolated", rank=4, alpha=8)
+    randomise(pol, "generator")
+    pol.save(str(tmp_path))
+    cfg = json.load(open(tmp_path / "generator" / "adapter_config.json"))
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8
+    keys = load_file(str(tmp_path / "generator" / "adapter_model.safetensors")).keys()
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in keys
+    other = policies.Policy(tiny_qwen3(), None, ROLES, "isolated", rank=4, alpha=8)
+    other.load_adapters(str(tmp_path))
+    with torch.no_grad(), pol.using("generator") as a, other.using("generator") as b:
+        assert torch.equal(a(IDS).logits, b(IDS).logits)
+
+
+def test_merged_export_equals_base_plus_adapter(tmp_path):
+    from transformers import AutoModelForCausalLM
+    m = tiny_qwen3()
+    pol = policies.Policy(m, None, ROLES, "shared", rank=4, alpha=8)
+    randomise(pol, "shared")
+    with torch.no_grad(), pol.using("shared") as mod:
+        want = mod(IDS).logits
+    pol.tokenizer = type("T", (), {"save_pretrained": lambda self, d: None})()
+    pol.export_merged("shared", str(tmp_path))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(IDS).logits, want, atol=1e-4)
+        assert not torch.allclose(m(IDS).logits, want, atol=1e-3)  # the adapter did matter
+
+
+def test_full_isolation_copies_train_and_base_stays_frozen():
+    m = tiny_qwen3()
+    pol = policies.Policy(m, None, ROLES, "isolated", isolation="full")
+    with pol.using("aggregator") as mod:
+        assert mod is not m
+        mod(IDS).logits.square().mean().backward()
+    assert all(p.grad is not None for p in pol.parameters_of("aggregator"))
+    assert all(p.grad is None for p in pol.parameters_of("generator"))
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_unknown_role_and_bad_scale_raise_clear_errors(tmp_path):
+    pol = policies.Policy(tiny_qwen3(), None, ROLES, "shared", rank=4, alpha=8)
+    with pytest.raises(KeyError, match="unknown role"):
+        pol.adapter("critic")
+    with pytest.raises(ValueError, match="not a model folder"):
+        policies.load(str(tmp_path))
+    with pytest.raises(ValueError, match="expected toy"):
+        policies.load("7b")
+
+
+def test_load_local_folder_and_stop_ids(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+    m = tiny_qwen3()
+    m.save_pretrained(str(tmp_path))
+    vocab = {f"t{i}": i for i in range(64)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                  eos_token="t2", pad_token="t2")
+    tok.save_pretrained(str(tmp_path))
+    model, tk = policies.load(str(tmp_path))
+    assert not any(p.requires_grad for p in model.parameters())
+    assert policies.stop_ids(model, tk) == [1, 2]
