@@ -1,0 +1,393 @@
+"""Workflows: roles, prompts, output parsers, and each workflow as a function over a batch.
+
+Four workflows, run stage by stage over a batch of episodes. Each stage is ONE call
+`llm(role, slots, messages_list)` for every live episode together (a stage with no live
+episode makes no call), and every returned `Call` is appended to its episode in order.
+
+| workflow       | stages (slots)                                          | graded text          |
+|----------------|---------------------------------------------------------|----------------------|
+| `single`       | generator                                               | the generator's      |
+| `voting`       | generator0..2 (identical prompts) -> aggregator         | the chosen solution  |
+| `eval_opt`     | generator -> (evaluator -> generator) x up to R rounds  | the last generator's |
+| `orch_workers` | orchestrator -> 1-3 worker -> synthesizer               | the synthesizer's    |
+
+Exact choices:
+- Voting: `n_voters=3`; the aggregator answers `\\boxed{k}` (1-based). Fallbacks: the first lone
+  digit 1-9 in its text that is a valid index, else 1.
+- Eval-Opt: `max_rounds=None` means 3 evaluator rounds for math, 2 for code. The evaluator
+  sees the problem and every attempt and feedback so far; `\\boxed{Correct}` (any case) stops
+  the episode; `\\boxed{Incorrect}` or no verdict (a fallback) asks the generator for a new
+  solution, shown the problem, all its attempts and all feedback. All Incorrect with 3 rounds
+  is G E G E G E G.
+- Orch-Workers: the orchestrator writes lines `STRATEGY k: ...`; distinct ones are kept, at
+  most `max_strategies=3`. None parsed -> one worker with DIRECT_STRATEGY; duplicates dropped
+  or extras cut -> also a fallback. Each worker gets exactly one strategy; the synthesizer sees
+  every worker solution and writes the final answer itself.
+- Every fallback taken adds 1 to `episode.fallbacks[role]`; a role whose output is parsed gets
+  the key even at 0, so fallbacks / calls is that role's unparsable-output rate.
+- Prompts: a system message holding one instruction and a user message. Every fixed string
+  is a module constant listed in PHRASES, and a user message is only PHRASES entries and
+  variable text (problem, solutions, feedback, strategy) joined by "\\n". So a tokenizer that
+  knows PHRASES as whole tokens (the toy one) spends one token per fixed string. The
+  orchestrator's instruction asks for "up to 3" strategies (the paper's value);
+  `max_strategies` is the parser's cap. The code problem's text already carries its starter
+  code or stdin/stdout format, so code prompts add nothing to it.
+- Math roles that answer end with `\\boxed{}`; code roles answer in one ```python block.
+
+No torch here: `llm` is any callable with the contract below (rollout.py builds the real one,
+tests use a scripted fake). Run: `run_workflow("voting", episodes, llm, "math")`; tests:
+`python -m pytest -q tests/test_workflows.py`.
+"""
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rewards import last_boxed
+
+
+@dataclass
+class Call:
+    """One single-turn chat completion made by one role; becomes one training sample."""
+    role: str                     # role type: 'generator', 'aggregator', 'evaluator', ...
+    slot: str                     # position in the workflow: 'generator0', 'worker', ...
+    messages: list                # chat messages [{'role': 'system'|'user', 'content': str}]
+    text: str = ""                # the completion as decoded text (what the workflow read)
+    prompt_ids: list = field(default_factory=list)      # token ids of the rendered prompt
+    completion_ids: list = field(default_factory=list)  # sampled ids, stop token included
+    logprobs: list = field(default_factory=list)        # sampler logprob of each completion id
+    finished: bool = True         # False: cut at the length limit before a stop token
+
+
+@dataclass
+class Episode:
+    """One rollout of a workflow on one problem."""
+    problem: dict                 # task record: id, prompt, answer|tests, source
+    rollout: int = 0              # index among the G rollouts of this problem
+    calls: list = field(default_factory=list)           # every Call, in the order made
+    final_text: str = ""          # the text that is graded
+    reward: float = 0.0           # 0/1 reward of final_text, copied to every call
+    fallbacks: dict = field(default_factory=dict)       # role -> parser fallbacks taken
+
+    @property
+    def problem_id(self) -> str:
+        return str(self.problem["id"])
+
+
+# llm(role, slots, messages_list) -> one Call per (slot, messages), in order, text filled in.
+LLM = Callable[[str, list, list], list]
+
+
+TASKS = ("math", "code")
+
+# Role types of each workflow: under `isolated` sharing each role type owns one adapter.
+ROLES: dict[str, tuple[str, ...]] = {
+    "single": ("generator",),
+    "voting": ("generator", "aggregator"),
+    "eval_opt": ("generator", "evaluator"),
+    "orch_workers": ("orchestrator", "worker", "synthesizer"),
+}
+# Slots (positions in the workflow) with default parameters; GRPO groups samples by
+# (problem, slot). Voting with n_voters=n uses generator0..generator{n-1}.
+SLOTS: dict[str, tuple[str, ...]] = {
+    "single": ("generator",),
+    "voting": ("generator0", "generator1", "generator2", "aggregator"),
+    "eval_opt": ("generator", "evaluator"),
+    "orch_workers": ("orchestrator", "worker", "synthesizer"),
+}
+EVAL_OPT_ROUNDS = {"math": 3, "code": 2}   # evaluator rounds when max_rounds is None
+
+# ---------------------------------------------------------------------------------------
+# Fixed prompt text. Nothing else fixed may appear in a prompt: see PHRASES below.
+
+# headers that introduce variable text in a user message
+PROBLEM = "Problem:"
+ATTEMPT = "Attempt:"
+FEEDBACK = "Feedback:"
+STRATEGY = "Strategy:"
+# numbered headers are listed one by one so each is a single phrase; 9 because the
+# aggregator's fallback reads one lone digit
+SOLUTION_HEADERS = tuple(f"Solution {k}:" for k in range(1, 10))
+# the worker's strategy when the orchestrator gave no parsable one
+DIRECT_STRATEGY = "Solve the problem directly."
+
+# system instructions, one per (role, task)
+GENERATOR_MATH = "Solve the math problem step by step. Put the final answer in \\boxed{}."
+GENERATOR_CODE = "Solve the programming problem in Python. Give your code in one ```python block."
+REVISE_MATH = ("Your last attempt was judged wrong. Use the feedback to write a new full "
+               "solution, with the final answer in \\boxed{}.")
+REVISE_CODE = ("Your last attempt was judged wrong. Use the feedback to write new, corrected "
+               "code in one ```python block.")
+AGGREGATOR_MATH = ("Compare the numbered solutions and pick the one most likely correct. "
+                   "Reply with its number as \\boxed{k}.")
+AGGREGATOR_CODE = ("Compare the numbered solutions and pick the code most likely to pass all "
+                   "tests. Reply with its number as \\boxed{k}.")
+EVALUATOR_MATH = ("Check the last attempt. Give a short reason without revealing the answer, "
+                  "then \\boxed{Correct} or \\boxed{Incorrect}.")
+EVALUATOR_CODE = ("Check the code of the last attempt. Give a short reason without writing "
+                  "code, then \\boxed{Correct} or \\boxed{Incorrect}.")
+ORCHESTRATOR_MATH = ("Do not solve the problem. List up to 3 different strategies for it, one "
+                     "per line, as STRATEGY k: <strategy>.")
+ORCHESTRATOR_CODE = ("Do not write code. List up to 3 different strategies for the problem, one "
+                     "per line, as STRATEGY k: <strategy>.")
+WORKER_MATH = "Solve the math problem by following the given strategy. Put the final answer in \\boxed{}."
+WORKER_CODE = ("Solve the programming problem by following the given strategy. Give your code "
+               "in one ```python block.")
+SYNTHESIZER_MATH = ("Read the candidate solutions, then write your own full solution. Put the "
+                    "final answer in \\boxed{}.")
+SYNTHESIZER_CODE = ("Read the candidate solutions, then write your own correct code. Give it in "
+                    "one ```python block.")
+
+INSTRUCTIONS = {
+    ("generator", "math"): GENERATOR_MATH, ("generator", "code"): GENERATOR_CODE,
+    ("aggregator", "math"): AGGREGATOR_MATH, ("aggregator", "code"): AGGREGATOR_CODE,
+    ("evaluator", "math"): EVALUATOR_MATH, ("evaluator", "code"): EVALUATOR_CODE,
+    ("orchestrator", "math"): ORCHESTRATOR_MATH, ("orchestrator", "code"): ORCHESTRATOR_CODE,
+    ("worker", "math"): WORKER_MATH, ("worker", "code"): WORKER_CODE,
+    ("synthesizer", "math"): SYNTHESIZER_MATH, ("synthesizer", "code"): SYNTHESIZER_CODE,
+}
+# the generator's instruction on an Eval-Opt revision turn (same role, same adapter)
+REVISE_INSTRUCTIONS = {"math": REVISE_MATH, "code": REVISE_CODE}
+
+# Every fixed string any prompt contains. The toy tokenizer makes each one token, so none
+# may contain another or a newline (tests check both).
+PHRASES: tuple[str, ...] = (
+    PROBLEM, ATTEMPT, FEEDBACK, STRATEGY, *SOLUTION_HEADERS, DIRECT_STRATEGY,
+    *INSTRUCTIONS.values(), *REVISE_INSTRUCTIONS.values(),
+)
+
+
+def _check_task(task: str) -> None:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
+
+
+def _messages(system: str, *parts: str) -> list[dict]:
+    # the user message is phrases and variable text joined by "\n", nothing else
+    return [{"role": "system", "content": system}, {"role": "user", "content": "\n".join(parts)}]
+
+
+def _numbered(texts: list[str]) -> list[str]:
+    if len(texts) > len(SOLUTION_HEADERS):
+        raise ValueError(f"at most {len(SOLUTION_HEADERS)} numbered solutions, got {len(texts)}")
+    out = []
+    for header, text in zip(SOLUTION_HEADERS, texts):
+        out += [header, text]
+    return out
+
+
+def _conversation(history: list[str]) -> list[str]:
+    # Eval-Opt history alternates attempt, feedback, attempt, ... in the order written
+    out = []
+    for i, text in enumerate(history):
+        out += [ATTEMPT if i % 2 == 0 else FEEDBACK, text]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Prompt builders: problem is a task record; its "prompt" is the text every role sees.
+
+def generator_messages(problem: dict, task: str, history: list[str] = ()) -> list[dict]:
+    """First answer (empty history), or an Eval-Opt revision given every attempt and feedback."""
+    _check_task(task)
+    if not history:
+        return _messages(INSTRUCTIONS["generator", task], PROBLEM, problem["prompt"])
+    return _messages(REVISE_INSTRUCTIONS[task], PROBLEM, problem["prompt"], *_conversation(history))
+
+
+def aggregator_messages(problem: dict, task: str, solutions: list[str]) -> list[dict]:
+    _check_task(task)
+    return _messages(INSTRUCTIONS["aggregator", task], PROBLEM, problem["prompt"], *_numbered(solutions))
+
+
+def evaluator_messages(problem: dict, task: str, history: list[str]) -> list[dict]:
+    """history ends with the attempt to judge."""
+    _check_task(task)
+    return _messages(INSTRUCTIONS["evaluator", task], PROBLEM, problem["prompt"], *_conversation(history))
+
+
+def orchestrator_messages(problem: dict, task: str) -> list[dict]:
+    _check_task(task)
+    return _messages(INSTRUCTIONS["orchestrator", task], PROBLEM, problem["prompt"])
+
+
+def worker_messages(problem: dict, task: str, strategy: str) -> list[dict]:
+    _check_task(task)
+    return _messages(INSTRUCTIONS["worker", task], PROBLEM, problem["prompt"], STRATEGY, strategy)
+
+
+def synthesizer_messages(problem: dict, task: str, solutions: list[str]) -> list[dict]:
+    _check_task(task)
+    return _messages(INSTRUCTIONS["synthesizer", task], PROBLEM, problem["prompt"], *_numbered(solutions))
+
+
+# ---------------------------------------------------------------------------------------
+# Output parsers: each returns (value, fallback_taken).
+
+_LONE_DIGIT = re.compile(r"(?<!\d)[1-9](?!\d)")
+_INT = re.compile(r"\s*(\d+)\s*")
+_TEXT_WRAP = re.compile(r"\s*\\text\w*\s*\{(.*)\}\s*", re.DOTALL)   # \boxed{\text{Correct}}
+_STRATEGY_LINE = re.compile(r"^[ \t]*STRATEGY[ \t]*\d*[ \t]*:(.*)$", re.MULTILINE | re.IGNORECASE)
+
+
+def parse_choice(text: str, n: int) -> tuple[int, bool]:
+    """Aggregator's 1-based pick among n solutions: the last \\boxed{k} if 1 <= k <= n, else the
+    first lone digit 1-9 that is a valid index, else 1."""
+    boxed = last_boxed(text)
+    m = _INT.fullmatch(boxed) if boxed is not None else None
+    if m and 1 <= int(m.group(1)) <= n:
+        return int(m.group(1)), False
+    for d in _LONE_DIGIT.finditer(text):
+        if int(d.group()) <= n:
+            return int(d.group()), True
+    return 1, True
+
+
+def parse_verdict(text: str) -> tuple[bool, bool]:
+    """Evaluator's verdict from its last \\boxed{}: Correct/Incorrect in any case. Anything else
+    counts as Incorrect (so the generator gets another turn) and as a fallback."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        m = _TEXT_WRAP.fullmatch(boxed)
+        verdict = (m.group(1) if m else boxed).strip().lower()
+        if verdict in ("correct", "incorrect"):
+            return verdict == "correct", False
+    return False, True
+
+
+def parse_strategies(text: str, max_strategies: int = 3) -> tuple[list[str], bool]:
+    """Orchestrator's strategies from lines `STRATEGY k: ...` (k optional, any case): distinct
+    ones (whitespace and case ignored) in order, at most max_strategies. A fallback when none
+    parse ([DIRECT_STRATEGY]) or when empty, duplicate or extra lines were dropped."""
+    lines = [s.strip() for s in _STRATEGY_LINE.findall(text)]
+    kept, seen = [], set()
+    for s in filter(None, lines):     # a `STRATEGY k:` line with no text is dropped
+        key = " ".join(s.lower().split())
+        if key not in seen:
+            seen.add(key)
+            kept.append(s)
+    if not kept:
+        return [DIRECT_STRATEGY], True
+    kept = kept[:max_strategies]
+    return kept, len(kept) != len(lines)
+
+
+def _count(episode: Episode, role: str, taken: bool) -> None:
+    episode.fallbacks[role] = episode.fallbacks.get(role, 0) + int(taken)
+
+
+# ---------------------------------------------------------------------------------------
+# Workflows: fn(episodes, llm, task, **params) -> None, filling .calls and .final_text.
+
+def _stage(llm: LLM, role: str, slots: list[str], messages_list: list[list[dict]]) -> list[Call]:
+    """One stage = one llm call for all live episodes together; no call when none is live."""
+    if not slots:
+        return []
+    calls = llm(role, slots, messages_list)
+    if len(calls) != len(slots):
+        raise RuntimeError(f"llm returned {len(calls)} calls for {len(slots)} {role} prompts")
+    return calls
+
+
+def single(episodes: list[Episode], llm: LLM, task: str) -> None:
+    _check_task(task)
+    calls = _stage(llm, "generator", ["generator"] * len(episodes),
+                   [generator_messages(ep.problem, task) for ep in episodes])
+    for ep, call in zip(episodes, calls):
+        ep.calls.append(call)
+        ep.final_text = call.text
+
+
+def voting(episodes: list[Episode], llm: LLM, task: str, n_voters: int = 3) -> None:
+    _check_task(task)
+    if not 1 <= n_voters <= len(SOLUTION_HEADERS):
+        raise ValueError(f"n_voters must be in 1..{len(SOLUTION_HEADERS)}, got {n_voters}")
+    voters = [f"generator{i}" for i in range(n_voters)]
+    # all voters of all episodes in one call; identical prompts, so the sampler can share prefill
+    gen = _stage(llm, "generator", voters * len(episodes),
+                 [generator_messages(ep.problem, task) for ep in episodes for _ in voters])
+    groups = [gen[i * n_voters:(i + 1) * n_voters] for i in range(len(episodes))]
+    for ep, group in zip(episodes, groups):
+        ep.calls.extend(group)
+    agg = _stage(llm, "aggregator", ["aggregator"] * len(episodes),
+                 [aggregator_messages(ep.problem, task, [c.text for c in group])
+                  for ep, group in zip(episodes, groups)])
+    for ep, group, call in zip(episodes, groups, agg):
+        ep.calls.append(call)
+        k, fallback = parse_choice(call.text, n_voters)
+        _count(ep, "aggregator", fallback)
+        ep.final_text = group[k - 1].text     # the chosen solution, in full, is graded
+
+
+def eval_opt(episodes: list[Episode], llm: LLM, task: str, max_rounds: int | None = None) -> None:
+    _check_task(task)
+    rounds = EVAL_OPT_ROUNDS[task] if max_rounds is None else max_rounds
+    if rounds < 0:
+        raise ValueError(f"max_rounds must be >= 0, got {max_rounds}")
+    history = [[] for _ in episodes]      # per episode: attempt, feedback, attempt, ...
+    live = list(range(len(episodes)))     # episodes not yet judged Correct
+
+    def generate(idx: list[int]) -> None:
+        calls = _stage(llm, "generator", ["generator"] * len(idx),
+                       [generator_messages(episodes[i].problem, task, history[i]) for i in idx])
+        for i, call in zip(idx, calls):
+            episodes[i].calls.append(call)
+            history[i].append(call.text)
+            episodes[i].final_text = call.text   # the last generator answer is graded
+
+    generate(live)
+    for _ in range(rounds):
+        calls = _stage(llm, "evaluator", ["evaluator"] * len(live),
+                       [evaluator_messages(episodes[i].problem, task, history[i]) for i in live])
+        still = []
+        for i, call in zip(live, calls):
+            episodes[i].calls.append(call)
+            correct, fallback = parse_verdict(call.text)
+            _count(episodes[i], "evaluator", fallback)
+            if not correct:
+                history[i].append(call.text)
+                still.append(i)
+        live = still
+        if not live:
+            break
+        generate(live)
+
+
+def orch_workers(episodes: list[Episode], llm: LLM, task: str, max_strategies: int = 3) -> None:
+    _check_task(task)
+    if not 1 <= max_strategies <= len(SOLUTION_HEADERS):
+        raise ValueError(f"max_strategies must be in 1..{len(SOLUTION_HEADERS)}, got {max_strategies}")
+    orch = _stage(llm, "orchestrator", ["orchestrator"] * len(episodes),
+                  [orchestrator_messages(ep.problem, task) for ep in episodes])
+    plans = []
+    for ep, call in zip(episodes, orch):
+        ep.calls.append(call)
+        strategies, fallback = parse_strategies(call.text, max_strategies)
+        _count(ep, "orchestrator", fallback)
+        plans.append(strategies)
+    # every worker of every episode in one call, one strategy each
+    owners = [i for i, plan in enumerate(plans) for _ in plan]
+    work = _stage(llm, "worker", ["worker"] * len(owners),
+                  [worker_messages(episodes[i].problem, task, s) for i, plan in enumerate(plans) for s in plan])
+    solutions = [[] for _ in episodes]
+    for i, call in zip(owners, work):
+        episodes[i].calls.append(call)
+        solutions[i].append(call.text)
+    syn = _stage(llm, "synthesizer", ["synthesizer"] * len(episodes),
+                 [synthesizer_messages(ep.problem, task, sols) for ep, sols in zip(episodes, solutions)])
+    for ep, call in zip(episodes, syn):
+        ep.calls.append(call)
+        ep.final_text = call.text
+
+
+WORKFLOWS: dict[str, Callable] = {
+    "single": single, "voting": voting, "eval_opt": eval_opt, "orch_workers": orch_workers,
+}
+
+
+def run_workflow(name: str, episodes: list[Episode], llm: LLM, task: str, **params) -> None:
+    """Run workflow `name` on the batch in place. Params: voting n_voters=3; eval_opt
+    max_rounds=None (3 math, 2 code); orch_workers max_strategies=3; single none."""
+    if name not in WORKFLOWS:
+        raise ValueError(f"unknown workflow {name!r}; choose one of {sorted(WORKFLOWS)}")
+    _check_task(task)
+    WORKFLOWS[name](episodes, llm, task, **params)
