@@ -130,3 +130,70 @@ def generate(model, prompts: list, max_new_tokens: int, stop_ids, pad_id: int,
     n = t + 1  # columns actually produced; the rest is pad
     live[:, n:] = False
     return Generation(tokens[:, :n], logps[:, :n], live[:, :n], done)
+
+
+# ----------------------------------------------------------------------------- workflow llm
+
+def render(tokenizer, messages, max_prompt_tokens: int | None = None) -> tuple[list, bool]:
+    """Prompt ids of a chat (generation prompt added, Qwen3 thinking disabled) and whether it
+    was cut: an over-long prompt keeps its last `max_prompt_tokens` ids, so the generation
+    prompt and the newest text (the solutions to judge) survive."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         enable_thinking=False)  # ignored by templates without it
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if max_prompt_tokens and len(ids) > max_prompt_tokens:
+        return ids[-max_prompt_tokens:], True
+    return ids, False
+
+
+def make_llm(policy, *, temperature: float = 0.7, top_p: float = 1.0, max_new_tokens: int = 512,
+             max_prompt_tokens: int | None = None, generator=None, max_rows: int | None = None):
+    """The `llm(role, slots, messages_list) -> list[Call]` that workflows.py calls once per stage.
+
+    Every call of a stage goes to the adapter of its role in one `generate` (or chunks of
+    `max_rows` rows, identical prompts kept together so they still share their prefill), and
+    is recorded as a Call with its prompt ids, completion ids (stop token included), sampler
+    logprobs and finished flag; the text is the decoded completion without special tokens.
+    `llm.stats` counts calls and cut prompts per role."""
+    from policies import stop_ids
+    from workflows import Call
+
+    tok = policy.tokenizer
+    stops = stop_ids(policy.model, tok)
+    stats = {}
+
+    def llm(role, slots, messages_list):
+        rendered = [render(tok, m, max_prompt_tokens) for m in messages_list]
+        prompts = [ids for ids, _ in rendered]
+        s = stats.setdefault(role, {"calls": 0, "prompt_cut": 0})
+        s["calls"] += len(prompts)
+        s["prompt_cut"] += sum(cut for _, cut in rendered)
+        order = sorted(range(len(prompts)), key=lambda i: prompts[i])  # identical prompts adjacent
+        step = max_rows or len(order)
+        calls = [None] * len(prompts)
+        with policy.using(policy.adapter(role)) as model:
+            for c in range(0, len(order), step):
+                rows = order[c : c + step]
+                out = generate(model, [prompts[i] for i in rows], max_new_tokens, stops, tok.pad_token_id,
+                               temperature=temperature, top_p=top_p, generator=generator)
+                for j, i in enumerate(rows):
+                    keep = out.mask[j]
+                    ids = out.tokens[j][keep].tolist()
+                    calls[i] = Call(role=role, slot=slots[i], messages=messages_list[i],
+                                    text=tok.decode(ids, skip_special_tokens=True), prompt_ids=prompts[i],
+                                    completion_ids=ids, logprobs=out.logprobs[j][keep].tolist(),
+                                    finished=bool(out.finished[j]))
+        return calls
+
+    llm.stats = stats
+    return llm
+
+
+def run_episodes(llm, workflow: str, problems: list, group_size: int, task: str, **params) -> list:
+    """Run `workflow` on every problem `group_size` times; return the Episodes (calls and final
+    text filled in, rewards not yet)."""
+    from workflows import Episode, run_workflow
+
+    episodes = [Episode(problem=p, rollout=g) for p in problems for g in range(group_size)]
+    run_workflow(workflow, episodes, llm, task, **params)
+    return episodes

@@ -1,0 +1,370 @@
+"""The offline toy world: a tiny Qwen3, a character tokenizer, toy problems and a warm start.
+
+It lets the whole method (every workflow, both sharing modes, the gradient diagnostics) run and
+learn on a laptop CPU through exactly the code path of the real models:
+
+- Tokenizer: one token per character (digits always single tokens), plus one token for every
+  fixed prompt phrase of workflows.PHRASES and a few output words (`\\boxed{`, the verdicts,
+  the python fence), so a prompt costs its variable text plus a handful of tokens. Saved in
+  Hugging Face format with a Qwen-style chat template; `<|im_end|>` and `<|endoftext|>` both
+  stop generation, as in Qwen3.
+- Model: `Qwen3ForCausalLM` from a config (hidden 128, 4 layers, 4 heads / 2 kv heads,
+  head_dim 32, MLP 384, tied embeddings: 0.8M parameters), saved with `save_pretrained` and
+  loaded by `policies.load("toy")` through `from_pretrained` like a real checkpoint.
+- Tasks (`problems(kind, split, n, seed)`):
+  * math: `a o b o c` with digits 1-9 and o in + - *; the solution does one operation per line
+    (multiplications first), then `\\boxed{answer}`;
+  * code: "f(x): add 2, times 3" -> a one-line `def f(x): return (x+2)*3`, checked by assert
+    tests through the real sandbox of rewards.py.
+  A problem is in the test split when an md5 of its text falls in the first tenth: fixed,
+  disjoint splits (656 math and about 2,000 code test problems).
+- Warm start (`model_folder(task)`): supervised training from scratch on procedurally written
+  transcripts of every role, built with the workflows' own prompt builders, with deliberate
+  imperfection so RL has room both ways: solutions slip (a step result off by 1-2, a wrong
+  constant) with probability SLIP per step, evaluators give the true verdict with probability
+  JUDGE, aggregators and synthesizers follow the majority answer with probability PICK (else
+  a random candidate), orchestrators write 1-3 valid STRATEGY lines. The result is cached on
+  disk under `.cache/toy/` keyed by every setting, and built on first use with a progress bar
+  (about 2 minutes on 2 CPU cores).
+
+Run `python toy.py --task math` to build (or rebuild with --force) and print a few samples.
+"""
+import argparse
+import functools
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+
+import torch
+
+import workflows as wf
+
+CACHE = os.environ.get("MARL_CACHE", os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache"))
+
+# ------------------------------------------------------------------ settings (the cache key)
+MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True,
+             rope_theta=10000.0, rms_norm_eps=1e-6)
+SLIP = 0.2     # probability that one step (math) or one operation (code) is written wrong
+JUDGE = 0.8    # probability that a warm-start evaluator gives the true verdict
+PICK = 0.75    # probability that an aggregator / synthesizer follows the majority answer
+WARM = dict(steps=700, batch=48, lr=3e-3, warmup=50, seed=0)
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+WORDS = ["\\boxed{Correct}", "\\boxed{Incorrect}", "\\boxed{", "```python\n", "```", "def f(x):\n",
+         "    return ", "STRATEGY ", "system\n", "user\n", "assistant\n", "Step ", " looks wrong.",
+         "Every step checks out.", "Part ", "The code looks right."]
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+# ------------------------------------------------------------------ tokenizer
+
+def build_tokenizer():
+    """A Hugging Face fast tokenizer: whole phrases and words first, then single characters."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char
+    tok.decoder = decoders.Fuse()  # join tokens without spaces
+    tok.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIAL])
+    # longest first, so that the added-token matcher prefers "\boxed{Correct}" over "\boxed{"
+    words = sorted(set(wf.PHRASES) | set(WORDS), key=len, reverse=True)
+    tok.add_tokens([AddedToken(w, normalized=False) for w in words])
+    t = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                unk_token="?")
+    t.chat_template = TEMPLATE
+    return t
+
+
+# ------------------------------------------------------------------ problems
+
+def _in_test(text: str) -> bool:
+    return hashlib.md5(text.encode()).digest()[0] < 26  # ~10% (26/256), stable across runs
+
+
+def _math_text(a, o1, b, o2, c) -> str:
+    return f"{a}{o1}{b}{o2}{c}"
+
+
+def _code_text(ops) -> str:
+    names = {"+": "add", "-": "subtract", "*": "times"}
+    return "f(x): " + ", ".join(f"{names[o]} {k}" for o, k in ops)
+
+
+def _code_expr(ops) -> str:
+    e = "x"
+    for o, k in ops:
+        e = f"({e})*{k}" if o == "*" and ("+" in e or "-" in e) else f"{e}{o}{k}"
+    return e
+
+
+def _code_tests(ops) -> dict:
+    lines = ["def check(candidate):"]
+    for x in (0, 1, 3, 7):
+        lines.append(f"    assert candidate({x}) == {eval(_code_expr(ops), {'x': x})}")
+    return {"kind": "assert", "test": "\n".join(lines) + "\n", "entry_point": "f"}
+
+
+def problems(kind: str, split: str, n: int | None = None, seed: int = 0) -> list:
+    """Toy problems as task records, shuffled with `seed`; the first n (all if None)."""
+    if split not in ("train", "test"):
+        raise ValueError(f"toy split must be train or test, got {split!r}")
+    out = [dict(p) for p in _all_problems(kind, split)]
+    random.Random(seed).shuffle(out)
+    return out[:n] if n else out
+
+
+@functools.lru_cache(maxsize=None)
+def _all_problems(kind: str, split: str) -> tuple:
+    out = []
+    if kind == "math":
+        for a in range(1, 10):
+            for b in range(1, 10):
+                for c in range(1, 10):
+                    for o1 in "+-*":
+                        for o2 in "+-*":
+                            text = _math_text(a, o1, b, o2, c)
+                            if _in_test(text) == (split == "test"):
+                                out.append({"id": f"toy_math/{text}", "prompt": text, "source": "toy_math",
+                                            "answer": str(eval(text))})
+    elif kind == "code":
+        ops1 = [(o, k) for o in "+-*" for k in range(1, 10)]
+        for n_ops in (2, 3):
+            for i in range(len(ops1) ** n_ops):
+                ops, j = [], i
+                for _ in range(n_ops):
+                    ops.append(ops1[j % len(ops1)])
+                    j //= len(ops1)
+                text = _code_text(ops)
+                if _in_test(text) == (split == "test"):
+                    out.append({"id": f"toy_code/{text[6:]}", "prompt": text, "source": "toy_code",
+                                "tests": _code_tests(ops), "ops": ops})
+    else:
+        raise ValueError(f"toy kind must be math or code, got {kind!r}")
+    return tuple(out)
+
+
+# ------------------------------------------------------------------ transcripts with slips
+
+def _slip_value(v: int, rng) -> int:
+    return v + rng.choice([-2, -1, 1, 2])
+
+
+def math_solution(text: str, rng, slip: float = SLIP) -> str:
+    """One operation per line, multiplications first; each result slips with prob `slip`."""
+    toks = [int(text[0]), text[1], int(text[2]), text[3], int(text[4])]
+    lines = []
+
+    def do(i):  # apply the operator at toks[i] to its neighbours
+        a, o, b = toks[i - 1], toks[i], toks[i + 1]
+        v = a * b if o == "*" else a + b if o == "+" else a - b
+        if rng.random() < slip:
+            v = _slip_value(v, rng)
+        lines.append(f"{a}{o}{b}={v}")
+        toks[i - 1 : i + 2] = [v]
+
+    while "*" in toks:
+        do(toks.index("*"))
+    while len(toks) > 1:
+        do(1)
+    return "\n".join(lines) + f"\n\\boxed{{{toks[0]}}}"
+
+
+def code_solution(ops, rng, slip: float = SLIP) -> str:
+    written = []
+    for o, k in ops:
+        if rng.random() < slip:
+            if rng.random() < 0.5:
+                k = max(1, min(9, k + rng.choice([-1, 1])))
+            else:
+                o = rng.choice([x for x in "+-*" if x != o])
+        written.append((o, k))
+    return f"```python\ndef f(x):\n    return {_code_expr(written)}\n```"
+
+
+def _answer(text: str, task: str):
+    if task == "math":
+        return wf.last_boxed(text)
+    import rewards
+    return rewards.last_code_block(text)
+
+
+def _is_right(problem, text, task) -> bool:
+    if task == "math":
+        return wf.last_boxed(text) == problem["answer"]
+    return _answer(text, task) == _answer(code_solution(problem["ops"], random.Random(0), 0.0), task)
+
+
+def _pick(problem, task, solutions, rng) -> int:
+    """0-based index: the first solution whose answer is the most common, with prob PICK."""
+    if rng.random() >= PICK:
+        return rng.randrange(len(solutions))
+    answers = [_answer(s, task) for s in solutions]
+    counts = [answers.count(a) for a in answers]
+    return counts.index(max(counts))
+
+
+def _solve(problem, task, rng):
+    if task == "math":
+        return math_solution(problem["prompt"], rng)
+    return code_solution(problem["ops"], rng)
+
+
+STRATEGIES = {"math": ["multiply first", "one step per line", "check each step", "keep the signs"],
+              "code": ["apply the steps in order", "mind the brackets", "test with x=1", "write one line"]}
+
+
+def transcript(problem: dict, task: str, role: str, rng) -> tuple[list, str]:
+    """(chat messages, target completion) for one role, written procedurally."""
+    if role == "generator":
+        return wf.generator_messages(problem, task), _solve(problem, task, rng)
+    if role == "reviser":  # an Eval-Opt generator turn: every earlier attempt was judged wrong
+        history = []
+        for _ in range(rng.randint(1, 2 if task == "code" else 3)):
+            history += [_solve(problem, task, rng), _feedback(task, False, rng)]
+        return wf.generator_messages(problem, task, history), _solve(problem, task, rng)
+    if role == "evaluator":
+        history = []
+        for _ in range(rng.randint(0, 1 if task == "code" else 2)):
+            history += [_solve(problem, task, rng), _feedback(task, False, rng)]
+        attempt = _solve(problem, task, rng)
+        return wf.evaluator_messages(problem, task, history + [attempt]), _verdict_text(problem, task, attempt, rng)
+    if role == "aggregator":
+        sols = [_solve(problem, task, rng) for _ in range(3)]
+        return wf.aggregator_messages(problem, task, sols), f"\\boxed{{{_pick(problem, task, sols, rng) + 1}}}"
+    if role == "orchestrator":
+        chosen = rng.sample(STRATEGIES[task], rng.randint(1, 3))
+        return wf.orchestrator_messages(problem, task), "\n".join(
+            f"STRATEGY {i + 1}: {s}" for i, s in enumerate(chosen))
+    if role == "worker":
+        return wf.worker_messages(problem, task, rng.choice(STRATEGIES[task])), _solve(problem, task, rng)
+    if role == "synthesizer":
+        sols = [_solve(problem, task, rng) for _ in range(rng.randint(1, 3))]
+        return wf.synthesizer_messages(problem, task, sols), sols[_pick(problem, task, sols, rng)]
+    raise ValueError(f"no toy transcript for role {role!r}")
+
+
+def _feedback(task, right: bool, rng) -> str:
+    if task == "math":
+        reason = "Every step checks out." if right else f"Step {rng.randint(1, 2)} looks wrong."
+    else:
+        reason = "The code looks right." if right else f"Part {rng.randint(1, 3)} looks wrong."
+    return reason + ("\\boxed{Correct}" if right else "\\boxed{Incorrect}")
+
+
+def _verdict_text(problem, task, attempt, rng) -> str:
+    truth = _is_right(problem, attempt, task)
+    return _feedback(task, truth if rng.random() < JUDGE else not truth, rng)
+
+
+ROLE_MIX = {"generator": 0.25, "reviser": 0.1, "evaluator": 0.15, "aggregator": 0.15,
+            "orchestrator": 0.1, "worker": 0.1, "synthesizer": 0.15}
+
+
+# ------------------------------------------------------------------ warm start
+
+def _key(task: str, warm: dict) -> str:
+    blob = json.dumps([task, MODEL, SLIP, JUDGE, PICK, warm, SPECIAL, WORDS, CHARS, list(wf.PHRASES)],
+                      sort_keys=True)
+    return hashlib.md5(blob.encode()).hexdigest()[:10]
+
+
+def model_folder(task: str = "math", warm: dict | None = None, force: bool = False, quiet: bool = False) -> str:
+    """Folder of the warm-started toy model for `task`, building it on first use."""
+    if task not in ("math", "code"):
+        raise ValueError(f"toy task must be math or code, got {task!r}")
+    warm = {**WARM, **(warm or {})}
+    folder = os.path.join(CACHE, "toy", f"{task}-{_key(task, warm)}")
+    if os.path.isfile(os.path.join(folder, "config.json")) and not force:
+        return folder
+    tmp = folder + f".tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model, tok = warm_start(task, warm, quiet=quiet)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)  # atomic: a half-built model is never picked up
+    return folder
+
+
+def new_model(tok):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    im_end, eot = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    cfg = Qwen3Config(vocab_size=len(tok), bos_token_id=None, eos_token_id=[im_end, eot],
+                      pad_token_id=eot, **MODEL)
+    model = Qwen3ForCausalLM(cfg)
+    model.generation_config.eos_token_id = [im_end, eot]
+    model.generation_config.pad_token_id = eot
+    return model
+
+
+def sft_batch(tok, task, rng, n):
+    """(ids, attention mask, loss mask), each (B, L), of n right-padded transcripts; the loss
+    covers the completion and its <|im_end|>."""
+    train = problems(task, "train")
+    roles, weights = zip(*ROLE_MIX.items())
+    rows, masks = [], []
+    for _ in range(n):
+        msgs, target = transcript(rng.choice(train), task, rng.choices(roles, weights)[0], rng)
+        p = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        p_ids = tok(p, add_special_tokens=False)["input_ids"]
+        c_ids = tok(target + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        rows.append(p_ids + c_ids)
+        masks.append([0] * len(p_ids) + [1] * len(c_ids))
+    L = max(map(len, rows))
+    ids = torch.full((n, L), tok.pad_token_id)
+    attn = torch.zeros((n, L), dtype=torch.long)
+    loss_mask = torch.zeros((n, L))
+    for i, (r, m) in enumerate(zip(rows, masks)):
+        ids[i, : len(r)] = torch.tensor(r)
+        attn[i, : len(r)] = 1
+        loss_mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+    return ids, attn, loss_mask
+
+
+def warm_start(task: str, warm: dict, quiet: bool = False):
+    """Train the toy model from scratch on role transcripts; return (model, tokenizer)."""
+    from tqdm import tqdm
+    torch.manual_seed(warm["seed"])
+    rng = random.Random(warm["seed"])
+    tok = build_tokenizer()
+    model = new_model(tok).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=warm["lr"], weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm["warmup"]) * max(
+        0.05, 0.5 * (1 + math.cos(math.pi * s / warm["steps"]))))
+    bar = tqdm(range(warm["steps"]), desc=f"toy warm start ({task})", disable=quiet)
+    for _ in bar:
+        ids, attn, m = sft_batch(tok, task, rng, warm["batch"])
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (B, L-1, V)
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    return model.eval(), tok
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", default="math", choices=["math", "code"], help="toy task to warm-start for")
+    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    ap.add_argument("--steps", type=int, default=WARM["steps"], help="warm-start steps")
+    args = ap.parse_args()
+    t0 = time.time()
+    folder = model_folder(args.task, {"steps": args.steps}, force=args.force)
+    print(f"toy model: {folder} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
