@@ -63,6 +63,8 @@ class Sample:
     finished: bool             # False: cut at the length limit
     reward: float              # the episode's reward, unchanged
     advantage: float           # group-normalised reward
+    rollout: int = 0           # which of the problem's G episodes (for logs)
+    call: int = 0              # index of the call within its episode (for logs)
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -99,14 +101,14 @@ def samples_from_episodes(episodes, group_by: str = "slot") -> list:
         raise ValueError(f"group_by must be slot or role, got {group_by!r}")
     samples = []
     for ep in episodes:
-        for c in ep.calls:
+        for i, c in enumerate(ep.calls):
             # A call with no completion token (never sampled, e.g. a prompt over the length
             # limit) has nothing to train on: dropped before the group statistics.
             if not c.completion_ids:
                 continue
             samples.append(Sample(c.role, c.slot, str(ep.problem_id), list(c.prompt_ids),
                                   list(c.completion_ids), [float(x) for x in c.logprobs],
-                                  bool(c.finished), float(ep.reward), 0.0))
+                                  bool(c.finished), float(ep.reward), 0.0, getattr(ep, "rollout", 0), i))
     keys = [(s.problem_id, s.slot if group_by == "slot" else s.role) for s in samples]
     for s, a in zip(samples, group_advantages([s.reward for s in samples], keys)):
         s.advantage = a

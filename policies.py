@@ -35,25 +35,31 @@ HUB_IDS = {"0.6b": "Qwen/Qwen3-0.6B", "1.7b": "Qwen/Qwen3-1.7B", "4b": "Qwen/Qwe
 
 # ----------------------------------------------------------------------------- loading
 
-def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None):
-    """(model, tokenizer) for a scale name, `toy`, or a local Hugging Face model folder.
+def check_scale(scale: str) -> None:
+    """ValueError unless `scale` is toy, a hub scale name, or a folder holding a config.json."""
+    if scale == "toy" or scale in HUB_IDS:
+        return
+    if not os.path.isdir(scale):
+        raise ValueError(f"--scale {scale!r}: expected toy, {', '.join(HUB_IDS)}, or a local model folder")
+    if not os.path.isfile(os.path.join(scale, "config.json")):
+        raise ValueError(f"--scale {scale}: folder has no config.json, so it is not a model folder")
+
+
+def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_task: str = "math"):
+    """(model, tokenizer) for a scale name, `toy` (the warm-started toy model of `toy_task`,
+    built on first use), or a local Hugging Face model folder.
 
     The base model is frozen (requires_grad False) and in eval mode (no dropout)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype is None:  # bf16 on GPU as in the paper; fp32 on CPU where bf16 matmuls are slow
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    check_scale(scale)
     if scale == "toy":
         import toy
-        path = toy.model_folder()
-    elif scale in HUB_IDS:
-        path = HUB_IDS[scale]
-    elif os.path.isdir(scale):
-        if not os.path.isfile(os.path.join(scale, "config.json")):
-            raise ValueError(f"--scale {scale}: folder has no config.json, so it is not a model folder")
-        path = scale
+        path = toy.model_folder(toy_task)
     else:
-        raise ValueError(f"--scale {scale!r}: expected toy, {', '.join(HUB_IDS)}, or a local model folder")
+        path = HUB_IDS.get(scale, scale)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

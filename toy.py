@@ -12,12 +12,13 @@ learn on a laptop CPU through exactly the code path of the real models:
   head_dim 32, MLP 384, tied embeddings: 0.8M parameters), saved with `save_pretrained` and
   loaded by `policies.load("toy")` through `from_pretrained` like a real checkpoint.
 - Tasks (`problems(kind, split, n, seed)`):
-  * math: `a o b o c` with digits 1-9 and o in + - *; the solution does one operation per line
-    (multiplications first), then `\\boxed{answer}`;
+  * math: `a o b o c` with digits 1-9 and o in + -, worked left to right one operation per
+    line, then `\\boxed{answer}` (2,916 problems; few enough arithmetic facts that the tiny
+    model learns most of them in the warm start);
   * code: "f(x): add 2, times 3" -> a one-line `def f(x): return (x+2)*3`, checked by assert
     tests through the real sandbox of rewards.py.
-  A problem is in the test split when an md5 of its text falls in the first tenth: fixed,
-  disjoint splits (656 math and about 2,000 code test problems).
+  A problem is in the test split when an md5 of its text falls under TEST_SHARE: fixed,
+  disjoint splits (609 math test problems, 20%; 2,134 code, 10%).
 - Warm start (`model_folder(task)`): supervised training from scratch on procedurally written
   transcripts of every role, built with the workflows' own prompt builders, with deliberate
   imperfection so RL has room both ways: solutions slip (a step result off by 1-2, a wrong
@@ -25,13 +26,14 @@ learn on a laptop CPU through exactly the code path of the real models:
   JUDGE, aggregators and synthesizers follow the majority answer with probability PICK (else
   a random candidate), orchestrators write 1-3 valid STRATEGY lines. The result is cached on
   disk under `.cache/toy/` keyed by every setting, and built on first use with a progress bar
-  (about 2 minutes on 2 CPU cores).
+  (about 3 minutes on 2 CPU cores).
 
-Run `python toy.py --task math` to build (or rebuild with --force) and print a few samples.
+Run `python toy.py --task math` to build it (or rebuild with --force) and print its folder.
 """
 import argparse
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -49,10 +51,11 @@ CACHE = os.environ.get("MARL_CACHE", os.path.join(os.path.dirname(os.path.abspat
 MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True,
              rope_theta=10000.0, rms_norm_eps=1e-6)
+MATH_TERMS = 3  # digits per toy math problem: two + / - steps
 SLIP = 0.2     # probability that one step (math) or one operation (code) is written wrong
 JUDGE = 0.8    # probability that a warm-start evaluator gives the true verdict
 PICK = 0.75    # probability that an aggregator / synthesizer follows the majority answer
-WARM = dict(steps=700, batch=48, lr=3e-3, warmup=50, seed=0)
+WARM = dict(steps=520, batch=48, lr=3e-3, warmup=50, seed=0)
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ["\\boxed{Correct}", "\\boxed{Incorrect}", "\\boxed{", "```python\n", "```", "def f(x):\n",
@@ -86,12 +89,15 @@ def build_tokenizer():
 
 # ------------------------------------------------------------------ problems
 
-def _in_test(text: str) -> bool:
-    return hashlib.md5(text.encode()).digest()[0] < 26  # ~10% (26/256), stable across runs
+TEST_SHARE = {"math": 52, "code": 26}  # out of 256: ~20% of the 2,916 math, ~10% of the code problems
 
 
-def _math_text(a, o1, b, o2, c) -> str:
-    return f"{a}{o1}{b}{o2}{c}"
+def _in_test(text: str, kind: str) -> bool:
+    return hashlib.md5(text.encode()).digest()[0] < TEST_SHARE[kind]  # stable across runs
+
+
+def _math_text(digits, ops) -> str:
+    return str(digits[0]) + "".join(f"{o}{d}" for o, d in zip(ops, digits[1:]))
 
 
 def _code_text(ops) -> str:
@@ -117,24 +123,21 @@ def problems(kind: str, split: str, n: int | None = None, seed: int = 0) -> list
     """Toy problems as task records, shuffled with `seed`; the first n (all if None)."""
     if split not in ("train", "test"):
         raise ValueError(f"toy split must be train or test, got {split!r}")
-    out = [dict(p) for p in _all_problems(kind, split)]
+    out = [{**p, "tests": dict(p["tests"])} if "tests" in p else dict(p) for p in _all_problems(kind, split)]
     random.Random(seed).shuffle(out)
-    return out[:n] if n else out
+    return out if n is None else out[:n]
 
 
 @functools.lru_cache(maxsize=None)
 def _all_problems(kind: str, split: str) -> tuple:
     out = []
     if kind == "math":
-        for a in range(1, 10):
-            for b in range(1, 10):
-                for c in range(1, 10):
-                    for o1 in "+-*":
-                        for o2 in "+-*":
-                            text = _math_text(a, o1, b, o2, c)
-                            if _in_test(text) == (split == "test"):
-                                out.append({"id": f"toy_math/{text}", "prompt": text, "source": "toy_math",
-                                            "answer": str(eval(text))})
+        for digits in itertools.product(range(1, 10), repeat=MATH_TERMS):
+            for ops in itertools.product("+-", repeat=MATH_TERMS - 1):
+                text = _math_text(digits, ops)
+                if _in_test(text, "math") == (split == "test"):
+                    out.append({"id": f"toy_math/{text}", "prompt": text, "source": "toy_math",
+                                "answer": str(eval(text))})
     elif kind == "code":
         ops1 = [(o, k) for o in "+-*" for k in range(1, 10)]
         for n_ops in (2, 3):
@@ -144,9 +147,9 @@ def _all_problems(kind: str, split: str) -> tuple:
                     ops.append(ops1[j % len(ops1)])
                     j //= len(ops1)
                 text = _code_text(ops)
-                if _in_test(text) == (split == "test"):
+                if _in_test(text, "code") == (split == "test"):
                     out.append({"id": f"toy_code/{text[6:]}", "prompt": text, "source": "toy_code",
-                                "tests": _code_tests(ops), "ops": ops})
+                                "tests": _code_tests(ops), "ops": tuple(ops)})
     else:
         raise ValueError(f"toy kind must be math or code, got {kind!r}")
     return tuple(out)
@@ -159,23 +162,15 @@ def _slip_value(v: int, rng) -> int:
 
 
 def math_solution(text: str, rng, slip: float = SLIP) -> str:
-    """One operation per line, multiplications first; each result slips with prob `slip`."""
-    toks = [int(text[0]), text[1], int(text[2]), text[3], int(text[4])]
-    lines = []
-
-    def do(i):  # apply the operator at toks[i] to its neighbours
-        a, o, b = toks[i - 1], toks[i], toks[i + 1]
-        v = a * b if o == "*" else a + b if o == "+" else a - b
-        if rng.random() < slip:
-            v = _slip_value(v, rng)
-        lines.append(f"{a}{o}{b}={v}")
-        toks[i - 1 : i + 2] = [v]
-
-    while "*" in toks:
-        do(toks.index("*"))
-    while len(toks) > 1:
-        do(1)
-    return "\n".join(lines) + f"\n\\boxed{{{toks[0]}}}"
+    """One operation per line, left to right; each result slips with prob `slip` and the next
+    line goes on from the slipped value."""
+    v, lines = int(text[0]), []
+    for o, d in zip(text[1::2], text[2::2]):
+        right = v + int(d) if o == "+" else v - int(d)
+        out = _slip_value(right, rng) if rng.random() < slip else right
+        lines.append(f"{v}{o}{d}={out}")
+        v = out
+    return "\n".join(lines) + f"\n\\boxed{{{v}}}"
 
 
 def code_solution(ops, rng, slip: float = SLIP) -> str:
@@ -218,7 +213,7 @@ def _solve(problem, task, rng):
     return code_solution(problem["ops"], rng)
 
 
-STRATEGIES = {"math": ["multiply first", "one step per line", "check each step", "keep the signs"],
+STRATEGIES = {"math": ["go left to right", "one step per line", "check each step", "keep the signs"],
               "code": ["apply the steps in order", "mind the brackets", "test with x=1", "write one line"]}
 
 
@@ -265,15 +260,18 @@ def _verdict_text(problem, task, attempt, rng) -> str:
     return _feedback(task, truth if rng.random() < JUDGE else not truth, rng)
 
 
-ROLE_MIX = {"generator": 0.25, "reviser": 0.1, "evaluator": 0.15, "aggregator": 0.15,
-            "orchestrator": 0.1, "worker": 0.1, "synthesizer": 0.15}
+TRANSCRIPTS = 1  # bump when the transcript code changes, so cached models are rebuilt
+# Solutions (generator, reviser, worker, synthesizer) teach the arithmetic every role leans on,
+# so they get most of the batches; verdicts, picks and plans are short and learned quickly.
+ROLE_MIX = {"generator": 0.35, "reviser": 0.1, "evaluator": 0.12, "aggregator": 0.12,
+            "orchestrator": 0.06, "worker": 0.1, "synthesizer": 0.15}
 
 
 # ------------------------------------------------------------------ warm start
 
 def _key(task: str, warm: dict) -> str:
-    blob = json.dumps([task, MODEL, SLIP, JUDGE, PICK, warm, SPECIAL, WORDS, CHARS, list(wf.PHRASES)],
-                      sort_keys=True)
+    blob = json.dumps([task, MODEL, MATH_TERMS, SLIP, JUDGE, PICK, warm, SPECIAL, WORDS, CHARS, TEMPLATE,
+                       list(wf.PHRASES), STRATEGIES, ROLE_MIX, TRANSCRIPTS], sort_keys=True)
     return hashlib.md5(blob.encode()).hexdigest()[:10]
 
 
@@ -307,9 +305,9 @@ def new_model(tok):
 
 
 def sft_batch(tok, task, rng, n):
-    """(ids, attention mask, loss mask), each (B, L), of n right-padded transcripts; the loss
-    covers the completion and its <|im_end|>."""
-    train = problems(task, "train")
+    """(ids, attention mask, loss mask), each (B, L), of n right-padded transcripts, each of a
+    role drawn by ROLE_MIX; the loss covers the completion and its <|im_end|>."""
+    train = _all_problems(task, "train")
     roles, weights = zip(*ROLE_MIX.items())
     rows, masks = [], []
     for _ in range(n):

@@ -1,0 +1,435 @@
+"""Tests of toy.py: the character tokenizer, the toy problems and their splits, the role
+transcripts with their slips, and the cached warm-start folder.
+
+Anything that needs a built model builds it with tiny settings (2 steps, batch 4) in a
+temporary cache, never the default warm start. The sandbox is used for a few code problems
+only. CPU, offline, about 10 s: `python -m pytest -q tests/test_toy.py`.
+"""
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import policies  # noqa: E402
+import rewards  # noqa: E402
+import tasks  # noqa: E402
+import toy  # noqa: E402
+import workflows as wf  # noqa: E402
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the code sandbox needs Linux")
+TASKS = ("math", "code")
+TINY = {"steps": 2, "batch": 4}   # warm-start settings small enough for a test
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return toy.build_tokenizer()
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _function(code_text):
+    """The f defined by the python block of a (trusted, toy-written) solution."""
+    env = {}
+    exec(rewards.last_code_block(code_text), env)
+    return env["f"]
+
+
+def _same_function(a, b):
+    # toy functions are linear in x (only +, -, * by constants), so two points decide
+    return all(a(x) == b(x) for x in (0, 1))
+
+
+def _exact(problem):
+    return toy.code_solution(problem["ops"], random.Random(0), slip=0.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------
+
+
+def test_every_character_is_one_distinct_token(tok):
+    ids = []
+    for c in toy.CHARS:
+        one = _ids(tok, c)
+        assert len(one) == 1, repr(c)
+        assert tok.decode(one) == c
+        ids += one
+    assert len(set(ids)) == len(toy.CHARS)  # no character falls back to the unknown token
+    assert tok.convert_ids_to_tokens(_ids(tok, "1234567890")) == list("1234567890")  # digits never merge
+    assert len(_ids(tok, "-17*305")) == 7
+
+
+def test_every_phrase_and_word_is_one_token(tok):
+    for text in list(wf.PHRASES) + toy.WORDS:
+        one = _ids(tok, text)
+        assert len(one) == 1, repr(text)
+        assert tok.decode(one) == text
+    # the longer word wins over its prefix, and a numeric box is the word plus characters
+    assert len(_ids(tok, "\\boxed{Incorrect}")) == 1
+    assert tok.convert_ids_to_tokens(_ids(tok, "\\boxed{-12}")) == ["\\boxed{", "-", "1", "2", "}"]
+    assert tok.convert_ids_to_tokens(_ids(tok, "Step 2 looks wrong.")) == ["Step ", "2", " looks wrong."]
+
+
+def test_special_tokens_eos_pad_and_chat_template(tok):
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    for t in toy.SPECIAL:
+        assert len(_ids(tok, t)) == 1
+    assert tok.eos_token_id == _ids(tok, "<|im_end|>")[0] != tok.pad_token_id == _ids(tok, "<|endoftext|>")[0]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Problem:\n1+2*3"}]
+    body = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nProblem:\n1+2*3<|im_end|>\n"
+    assert tok.apply_chat_template(msgs, tokenize=False) == body
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == body + "<|im_start|>assistant\n"
+    rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    # the role headers are single tokens too: <|im_start|> and "system\n" are two tokens
+    assert tok.convert_ids_to_tokens(_ids(tok, rendered))[:2] == ["<|im_start|>", "system\n"]
+    assert tok.convert_ids_to_tokens(_ids(tok, rendered))[-2:] == ["<|im_start|>", "assistant\n"]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_rendered_transcripts_round_trip(tok, task):
+    rng = random.Random(1)
+    train = toy.problems(task, "train")
+    for role in toy.ROLE_MIX:
+        msgs, target = toy.transcript(rng.choice(train), task, role, rng)
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) + target + "<|im_end|>"
+        ids = _ids(tok, text)
+        assert tok.decode(ids) == text, role
+        # every fixed phrase costs one token: far fewer tokens than characters
+        assert len(ids) < len(text) - sum(len(m["content"]) for m in msgs if m["role"] == "system") + 10
+
+
+# ----------------------------------------------------------------------------------------
+# Problems
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,total,share", [("math", 9 ** 3 * 2 ** 2, 0.2), ("code", 27 ** 2 + 27 ** 3, 0.1)])
+def test_splits_are_disjoint_fixed_and_of_the_documented_share(kind, total, share):
+    train, test = toy.problems(kind, "train"), toy.problems(kind, "test")
+    ids_train, ids_test = {p["id"] for p in train}, {p["id"] for p in test}
+    assert len(ids_train) == len(train) and len(ids_test) == len(test)  # ids are unique
+    assert not ids_train & ids_test
+    assert len(train) + len(test) == total
+    assert share - 0.03 < len(test) / total < share + 0.03
+    if kind == "math":
+        assert len(test) >= 512  # enough to judge a 10-point gain
+    assert not {p["prompt"] for p in train} & {p["prompt"] for p in test}
+    for split, ids in (("train", ids_train), ("test", ids_test)):
+        for seed in (0, 1, 7):
+            assert {p["id"] for p in toy.problems(kind, split, seed=seed)} == ids  # seed: order only
+
+
+@pytest.mark.parametrize("kind", ["math", "code"])
+def test_seed_orders_and_n_truncates(kind):
+    a, b, c = (toy.problems(kind, "test", seed=s) for s in (3, 3, 4))
+    assert [p["id"] for p in a] == [p["id"] for p in b]
+    assert [p["id"] for p in a] != [p["id"] for p in c]
+    assert [p["id"] for p in toy.problems(kind, "test", n=5, seed=3)] == [p["id"] for p in a[:5]]
+    # records are copies: editing one does not change the next call
+    a[0]["prompt"] = "edited"
+    assert toy.problems(kind, "test", seed=3)[0]["prompt"] != "edited"
+
+
+@pytest.mark.parametrize("kind", ["math", "code"])
+def test_records_are_valid_tasks_and_load_task_serves_them(kind):
+    for split in ("train", "test"):
+        for p in toy.problems(kind, split, n=200):
+            tasks.validate(p)
+            assert p["source"] == f"toy_{kind}" and p["id"].startswith(f"toy_{kind}/")
+            assert ("answer" in p) == (kind == "math")
+    got = tasks.load_task(f"toy_{kind}", "test", n=4, seed=2)
+    assert [p["id"] for p in got] == [p["id"] for p in toy.problems(kind, "test", n=4, seed=2)]
+    assert tasks.task_kind(f"toy_{kind}") == kind
+
+
+def test_math_answers_are_python_arithmetic():
+    for split in ("train", "test"):
+        for p in toy.problems("math", split):
+            assert re.fullmatch(r"[1-9][-+*][1-9][-+*][1-9]", p["prompt"])
+            assert p["answer"] == str(eval(p["prompt"]))
+            # the exact written solution reaches the same answer, one true step per line
+            sol = toy.math_solution(p["prompt"], random.Random(0), slip=0.0)
+            assert wf.last_boxed(sol) == p["answer"]
+
+
+def test_code_prompt_matches_its_exact_solution():
+    p = next(p for p in toy.problems("code", "train") + toy.problems("code", "test")
+             if p["ops"] == [("+", 2), ("*", 3)])
+    assert p["prompt"] == "f(x): add 2, times 3"
+    assert _exact(p) == "```python\ndef f(x):\n    return (x+2)*3\n```"
+    # every exact solution passes its own check(): operator precedence is right in all shapes
+    for q in toy.problems("code", "train", seed=0)[:1500] + toy.problems("code", "test", seed=0)[:500]:
+        env = {}
+        exec(q["tests"]["test"], env)
+        env["check"](_function(_exact(q)))
+
+
+@linux_only
+def test_code_solutions_through_the_real_sandbox():
+    probs = toy.problems("code", "test", n=3, seed=5)
+    rng = random.Random(0)
+    slipped = []
+    for p in probs:  # a solution with every operation slipped, until it is a different function
+        while True:
+            s = toy.code_solution(p["ops"], rng, slip=1.0)
+            if not _same_function(_function(s), _function(_exact(p))):
+                break
+        slipped.append(s)
+    texts = [_exact(p) for p in probs] + slipped
+    assert rewards.score(texts, probs + probs, "code") == [1.0] * 3 + [0.0] * 3
+    assert rewards.code_reward(_exact(probs[0]), probs[0]["tests"]) == 1.0
+
+
+def test_bad_kind_or_split_raises():
+    with pytest.raises(ValueError, match="kind"):
+        toy.problems("physics", "train")
+    with pytest.raises(ValueError, match="split"):
+        toy.problems("math", "dev")
+
+
+# ----------------------------------------------------------------------------------------
+# Transcripts
+# ----------------------------------------------------------------------------------------
+
+
+def _user(msgs):
+    return msgs[1]["content"]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_every_role_transcript_parses(task):
+    rng = random.Random(0)
+    train = toy.problems(task, "train")
+    rounds = wf.EVAL_OPT_ROUNDS[task]
+    for role in toy.ROLE_MIX:
+        for _ in range(60):
+            p = rng.choice(train)
+            msgs, target = toy.transcript(p, task, role, rng)
+            assert [m["role"] for m in msgs] == ["system", "user"]
+            assert _user(msgs).startswith(f"{wf.PROBLEM}\n{p['prompt']}\n") or _user(msgs) == f"{wf.PROBLEM}\n{p['prompt']}"
+            system = wf.REVISE_INSTRUCTIONS[task] if role == "reviser" else wf.INSTRUCTIONS[role, task]
+            assert msgs[0]["content"] == system
+            if role == "aggregator":
+                k, fallback = wf.parse_choice(target, 3)
+                assert not fallback and 1 <= k <= 3
+                assert _user(msgs).count("\nSolution ") == 3
+            elif role == "evaluator":
+                _, fallback = wf.parse_verdict(target)
+                assert not fallback
+                n_attempts = _user(msgs).count(wf.ATTEMPT)
+                assert 1 <= n_attempts <= rounds and _user(msgs).count(wf.FEEDBACK) == n_attempts - 1
+            elif role == "orchestrator":
+                strategies, fallback = wf.parse_strategies(target)
+                assert not fallback and 1 <= len(strategies) <= 3
+            else:  # generator, reviser, worker, synthesizer write a solution
+                if task == "math":
+                    assert wf.last_boxed(target) is not None
+                    assert re.fullmatch(r"-?\d+", wf.last_boxed(target))
+                else:
+                    assert rewards.last_code_block(target) is not None
+                    _function(target)  # it defines f
+                if role == "reviser":  # an Eval-Opt revision: 1..R earlier attempts, each judged wrong
+                    n_attempts = _user(msgs).count(wf.ATTEMPT)
+                    assert 1 <= n_attempts <= rounds and _user(msgs).count(wf.FEEDBACK) == n_attempts
+                    assert _user(msgs).count("\\boxed{Incorrect}") == n_attempts
+                if role == "worker":
+                    assert f"\n{wf.STRATEGY}\n" in _user(msgs)
+                if role == "synthesizer":
+                    assert 1 <= _user(msgs).count("\nSolution ") <= 3
+    with pytest.raises(ValueError, match="role"):
+        toy.transcript(train[0], task, "critic", rng)
+
+
+def test_math_slips_per_step():
+    rng = random.Random(0)
+    train = toy.problems("math", "train")
+    n, wrong, steps, bad_steps = 2000, 0, 0, 0
+    n_steps = None
+    for _ in range(n):
+        p = rng.choice(train)
+        _, target = toy.transcript(p, "math", "generator", rng)
+        wrong += wf.last_boxed(target) != p["answer"]
+        lines = target.split("\n")[:-1]
+        n_steps = sum(c in "+-*" for c in p["prompt"][1::2])  # one line per operator
+        assert len(lines) == n_steps
+        for line in lines:
+            lhs, rhs = line.split("=")
+            steps += 1
+            bad_steps += eval(lhs) != int(rhs)
+    assert abs(bad_steps / steps - toy.SLIP) < 0.03
+    # a wrong answer needs at least one slipped step (two slips rarely cancel)
+    expected = 1 - (1 - toy.SLIP) ** n_steps
+    assert abs(wrong / n - expected) < 0.05, (wrong / n, expected)
+
+
+def test_code_slips_per_operation():
+    rng = random.Random(5)
+    train = toy.problems("code", "train")
+    n, wrong, expected = 1500, 0, 0.0
+    for _ in range(n):
+        p = rng.choice(train)
+        _, target = toy.transcript(p, "code", "generator", rng)
+        wrong += not _same_function(_function(target), _function(_exact(p)))
+        expected += 1 - (1 - toy.SLIP) ** len(p["ops"])  # one chance to slip per operation
+    # a slip that moves a constant past 1..9 is clamped back (a no-op), so a little below
+    assert abs(wrong / n - expected / n) < 0.05, (wrong / n, expected / n)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_evaluator_verdicts_are_true_at_rate_judge(task):
+    rng = random.Random(3)
+    train = toy.problems(task, "train")
+    n, agree = 1000, 0
+    for _ in range(n):
+        p = rng.choice(train)
+        msgs, target = toy.transcript(p, task, "evaluator", rng)
+        attempt = _user(msgs).rsplit(wf.ATTEMPT + "\n", 1)[1]  # the last attempt is judged
+        if task == "math":
+            truth = wf.last_boxed(attempt) == p["answer"]
+        else:
+            truth = _same_function(_function(attempt), _function(_exact(p)))
+        verdict, _ = wf.parse_verdict(target)
+        agree += verdict == truth
+    assert abs(agree / n - toy.JUDGE) < 0.05, agree / n
+
+
+def test_aggregator_follows_the_majority_at_rate_pick():
+    rng = random.Random(4)
+    train = toy.problems("math", "train")
+    split, majority = 0, 0
+    for _ in range(2500):
+        p = rng.choice(train)
+        msgs, target = toy.transcript(p, "math", "aggregator", rng)
+        sols = re.split(r"\nSolution \d:\n", _user(msgs))[1:]
+        answers = [wf.last_boxed(s) for s in sols]
+        assert len(sols) == 3 and None not in answers
+        if sorted(map(answers.count, answers)) != [1, 2, 2]:
+            continue  # only a 2-1 split tells a majority pick from a random one
+        k, _ = wf.parse_choice(target, 3)
+        split += 1
+        majority += answers.count(answers[k - 1]) == 2
+    # the majority with prob PICK, else a uniform pick, which is the majority 2 times in 3
+    expected = toy.PICK + (1 - toy.PICK) * 2 / 3
+    assert split > 500 and abs(majority / split - expected) < 0.04, (majority / split, expected)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_sft_batch_masks_only_the_completion(tok, task):
+    ids, attn, loss_mask = toy.sft_batch(tok, task, random.Random(0), 6)
+    assert ids.shape == attn.shape == loss_mask.shape and ids.shape[0] == 6
+    for row, a, m in zip(ids.tolist(), attn.tolist(), loss_mask.tolist()):
+        n = sum(a)
+        assert a == [1] * n + [0] * (len(a) - n)                    # right padding
+        assert row[n:] == [tok.pad_token_id] * (len(row) - n)
+        assert all(mi <= ai for mi, ai in zip(m, a))                 # no loss on padding
+        first = m.index(1)
+        assert m[first:n] == [1] * (n - first)                       # one contiguous completion
+        assert tok.decode(row[:first]).endswith("<|im_start|>assistant\n")
+        assert row[n - 1] == tok.eos_token_id                        # the stop token is learned
+
+
+# ----------------------------------------------------------------------------------------
+# Warm start and the model folder
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(cache folder, model folder) of a tiny math warm start in a temporary cache."""
+    cache = str(tmp_path_factory.mktemp("cache"))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(toy, "CACHE", cache)
+    threads = torch.get_num_threads()
+    # one thread: for a model this small, OpenMP threads waiting on a core that another
+    # process keeps busy cost ~50x the work itself (measured: 4 s vs 0.06 s a step)
+    torch.set_num_threads(1)
+    try:
+        folder = toy.model_folder("math", TINY, quiet=True)
+    finally:
+        torch.set_num_threads(threads)
+        mp.undo()
+    return cache, folder
+
+
+def test_model_folder_loads_with_policies(built, tok):
+    from transformers import Qwen3ForCausalLM
+    cache, folder = built
+    assert os.path.dirname(folder) == os.path.join(cache, "toy")
+    assert os.path.basename(folder) == f"math-{toy._key('math', {**toy.WARM, **TINY})}"
+    model, loaded = policies.load(folder)
+    assert isinstance(model, Qwen3ForCausalLM)
+    assert model.config.hidden_size == toy.MODEL["hidden_size"]
+    assert model.config.vocab_size == len(loaded) == len(tok)
+    assert 0.5e6 < sum(p.numel() for p in model.parameters()) < 1.2e6
+    # the saved tokenizer is the built one: same ids, template, eos and pad
+    msgs, target = toy.transcript(toy.problems("math", "train", n=1)[0], "math", "evaluator", random.Random(0))
+    text = loaded.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert _ids(loaded, text + target) == _ids(tok, text + target)
+    assert (loaded.eos_token, loaded.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    assert policies.stop_ids(model, loaded) == sorted(_ids(tok, "<|im_end|><|endoftext|>"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see `built`
+    try:
+        out = model.generate(**loaded(text, return_tensors="pt", add_special_tokens=False), max_new_tokens=3,
+                             do_sample=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert out.shape[1] <= len(_ids(tok, text)) + 3
+
+
+def test_model_folder_is_cached_and_keyed_by_every_setting(built, monkeypatch):
+    cache, folder = built
+    monkeypatch.setattr(toy, "CACHE", cache)
+    config = os.path.join(folder, "config.json")
+    mtime = os.path.getmtime(config)
+    # only the finished folder is there: no .tmp build folder left behind (checked before any
+    # further call, since a new build attempt clears its own stale .tmp first)
+    assert os.listdir(os.path.join(cache, "toy")) == [os.path.basename(folder)]
+
+    def no_build(task, warm, quiet=False):
+        raise RuntimeError(f"rebuild {task} {warm}")
+
+    monkeypatch.setattr(toy, "warm_start", no_build)
+    assert toy.model_folder("math", TINY, quiet=True) == folder   # a hit: no training
+    assert os.path.getmtime(config) == mtime
+    with pytest.raises(RuntimeError, match="rebuild"):
+        toy.model_folder("math", {**TINY, "steps": 3}, quiet=True)   # other warm setting
+    with pytest.raises(RuntimeError, match="rebuild"):
+        toy.model_folder("code", TINY, quiet=True)                   # other task
+    with pytest.raises(RuntimeError, match="rebuild"):
+        toy.model_folder("math", TINY, force=True, quiet=True)       # forced
+    monkeypatch.setattr(toy, "SLIP", toy.SLIP + 0.1)
+    with pytest.raises(RuntimeError, match="rebuild"):
+        toy.model_folder("math", TINY, quiet=True)                   # other transcript setting
+    monkeypatch.undo()
+    assert toy._key("math", {**toy.WARM, **TINY}) != toy._key("math", {**toy.WARM, **TINY, "lr": 1e-3})
+    assert toy._key("math", {**toy.WARM, **TINY}) != toy._key("code", {**toy.WARM, **TINY})
+    # failed rebuild attempts leave nothing behind and do not touch the cached folder
+    assert os.listdir(os.path.join(cache, "toy")) == [os.path.basename(folder)]
+    assert os.path.isfile(config)
+
+
+def test_model_folder_rejects_a_bad_task(tmp_path, monkeypatch):
+    monkeypatch.setattr(toy, "CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="math or code"):
+        toy.model_folder("physics", TINY)
+    assert not os.path.exists(tmp_path / "toy")
+
+
+def test_cache_location_follows_marl_cache(tmp_path):
+    env = {**os.environ, "MARL_CACHE": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", "import toy; print(toy.CACHE)"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(tmp_path)

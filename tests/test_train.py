@@ -1,0 +1,188 @@
+"""train.py end to end on a tiny random model with the toy tokenizer: every workflow x sharing
+mode x toy task for 2 steps, Ctrl-C + --resume equal to an uninterrupted run, and bad input
+that must end in one clear line and a non-zero exit."""
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+import grpo
+import toy
+import train
+import workflows
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A random 2-layer Qwen3 with the toy tokenizer, saved like a hub checkpoint (no warm start)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    folder = str(tmp_path_factory.mktemp("tiny-toy"))
+    tok = toy.build_tokenizer()
+    torch.manual_seed(0)
+    stops = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=stops, pad_token_id=stops[1])
+    model = Qwen3ForCausalLM(cfg)
+    model.generation_config.eos_token_id = stops
+    model.generation_config.pad_token_id = stops[1]
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def argv(model_dir, out, *extra, task="math", steps=2):
+    return ["--scale", model_dir, "--task", task, "--data", f"toy_{task}", "--steps", str(steps),
+            "--problems-per-step", "2", "--group-size", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "120",
+            "--eval-problems", "3", "--eval-every", "1", "--save-every", "1", "--samples-every", "1",
+            "--lora-rank", "2", "--lr", "1e-2", "--warmup-steps", "1", "--device", "cpu", "--quiet",
+            "--out", str(out), *extra]
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.mark.parametrize("task", ["math", "code"])
+@pytest.mark.parametrize("sharing", ["shared", "isolated"])
+@pytest.mark.parametrize("workflow", ["single", "voting", "eval_opt", "orch_workers"])
+def test_two_steps_write_a_well_formed_run(model_dir, tmp_path, workflow, sharing, task):
+    out = tmp_path / "run"
+    train.main(argv(model_dir, out, "--workflow", workflow, "--sharing", sharing, task=task))
+    roles = set(workflows.ROLES[workflow])
+
+    config = json.load(open(out / "config.json"))
+    assert (config["workflow"], config["sharing"], config["task"], config["steps"]) == (workflow, sharing, task, 2)
+
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert 0.0 <= m["reward"] <= 1.0
+        assert set(m["roles"]) <= roles and "generator" in m["roles"] or "orchestrator" in m["roles"]
+        for r, q in m["roles"].items():
+            assert q["n"] > 0 and q["len"] > 0 and q["grad_norm"] >= 0 and 0 <= q["fallback_rate"] <= 1
+        n_adapters = 1 if sharing == "shared" else len(roles)
+        assert len(m["adapters"]) == n_adapters
+        assert m["time"]["step"] > 0 and m["tokens_per_s"] > 0
+
+    evals = read_jsonl(out / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 1, 2]
+    for e in evals:
+        assert e["n"] == 3 and 0.0 <= e["acc"] <= 1.0
+        assert set(e["parse_fail"]) <= roles and set(e["len"]) == set(e["parse_fail"])
+
+    samples = read_jsonl(out / "samples.jsonl")
+    assert {s["step"] for s in samples} == {1, 2}
+    assert {s["role"] for s in samples} <= roles
+    assert all(isinstance(s["prompt"], str) and isinstance(s["completion"], str) for s in samples)
+
+    for ck in ("ckpt-last", "ckpt-best"):
+        names = os.listdir(out / ck)
+        assert "state.pt" in names
+        assert len([n for n in names if os.path.isdir(out / ck / n)]) == n_adapters
+    assert torch.load(out / "ckpt-last" / "state.pt", weights_only=False)["step"] == 2
+    assert (out / "done").exists()
+    assert not any(n.endswith(".tmp") for n in os.listdir(out))
+
+
+def comparable(records):
+    """Drop wall-clock fields: everything else must match exactly."""
+    for r in records:
+        r.pop("time", None)
+        r.pop("tokens_per_s", None)
+    return records
+
+
+def test_ctrl_c_then_resume_equals_an_uninterrupted_run(model_dir, tmp_path, monkeypatch):
+    flags = ["--workflow", "voting", "--sharing", "isolated", "--save-every", "3", "--eval-every", "2"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    train.main(argv(model_dir, full, *flags, steps=4))
+
+    # Ctrl-C arrives during step 2: that step finishes, is checkpointed, and the run exits 130
+    real_update, calls = grpo.update, []
+
+    def update_then_interrupt(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_update(*a, **k)
+    monkeypatch.setattr(grpo, "update", update_then_interrupt)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(argv(model_dir, cut, *flags, steps=4))
+    assert stopped.value.code == 130
+    assert len(calls) == 2 and not (cut / "done").exists()
+    assert [m["step"] for m in read_jsonl(cut / "metrics.jsonl")] == [1, 2]
+    monkeypatch.setattr(grpo, "update", real_update)
+
+    train.main(["--resume", str(cut), "--quiet"])
+    assert (cut / "done").exists()
+    for name in ("metrics", "eval"):
+        assert comparable(read_jsonl(cut / f"{name}.jsonl")) == comparable(read_jsonl(full / f"{name}.jsonl")), name
+    for a, b in [(full / "ckpt-last", cut / "ckpt-last")]:
+        sa, sb = torch.load(a / "state.pt", weights_only=False), torch.load(b / "state.pt", weights_only=False)
+        assert sa["step"] == sb["step"] == 4 and torch.equal(sa["gen"], sb["gen"])
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def run_failing(capsys, args):
+    with pytest.raises(SystemExit) as e:
+        train.main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code != 0
+    assert err and "Traceback" not in "\n".join(err)
+    return err[-1]
+
+
+def test_unknown_flag_values_are_refused(capsys, tmp_path, model_dir):
+    assert "invalid choice" in run_failing(capsys, ["--workflow", "debate"])
+    assert "invalid choice" in run_failing(capsys, ["--sharing", "half"])
+    assert "--group-size must be at least 1" in run_failing(capsys, argv(model_dir, tmp_path / "r", "--group-size", "0"))
+    assert "ROLE=VALUE" in run_failing(capsys, argv(model_dir, tmp_path / "r", "--kl-coef-role", "generator=lots"))
+    assert "not a role" in run_failing(capsys, argv(model_dir, tmp_path / "r", "--kl-coef-role", "critic=0.1"))
+
+
+def test_a_scale_that_is_not_a_model_folder(capsys, tmp_path):
+    line = run_failing(capsys, ["--scale", str(tmp_path), "--out", str(tmp_path / "r")])
+    assert "not a model folder" in line
+    line = run_failing(capsys, ["--scale", str(tmp_path / "missing"), "--out", str(tmp_path / "r")])
+    assert "local model folder" in line
+
+
+def test_a_hub_download_that_fails_offline_names_the_local_path_to_pass(capsys, tmp_path, monkeypatch):
+    import transformers
+
+    def offline(*a, **k):  # what from_pretrained raises when the hub cannot be reached
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in the cached files.")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    data = tmp_path / "local.jsonl"
+    data.write_text('{"id": "a", "prompt": "1+1", "source": "x", "answer": "2"}\n')
+    line = run_failing(capsys, ["--scale", "0.6b", "--data", str(data), "--out", str(tmp_path / "r"), "--device", "cpu"])
+    assert "Qwen/Qwen3-0.6B" in line and "--scale" in line and "local folder" in line
+
+
+def test_a_task_file_with_bad_records(capsys, tmp_path, model_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": "1+1", "source": "x", "answer": "2"}\n{"id": "b", "prompt": 3}\n')
+    line = run_failing(capsys, argv(model_dir, tmp_path / "r", "--data", str(bad)))
+    assert "bad.jsonl" in line and "b" in line
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"id": "a", "prompt": "1+1", "source": "x", "answer": "2"}\nnot json\n')
+    assert "broken.jsonl" in run_failing(capsys, argv(model_dir, tmp_path / "r", "--data", str(broken)))
+    # a math file for a code run
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"id": "a", "prompt": "1+1", "source": "x", "answer": "2"}\n')
+    assert "math data set" in run_failing(capsys, argv(model_dir, tmp_path / "r", "--data", str(good), task="code"))
+
+
+def test_an_existing_run_folder_needs_resume(capsys, tmp_path, model_dir):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    line = run_failing(capsys, argv(model_dir, out))
+    assert "exists" in line and "--resume" in line
+    line = run_failing(capsys, ["--resume", str(tmp_path / "nowhere")])
+    assert "not a run folder" in line
