@@ -163,7 +163,7 @@ def test_math_answers_are_python_arithmetic():
 
 def test_code_prompt_matches_its_exact_solution():
     p = next(p for p in toy.problems("code", "train") + toy.problems("code", "test")
-             if p["ops"] == [("+", 2), ("*", 3)])
+             if p["ops"] == (("+", 2), ("*", 3)))
     assert p["prompt"] == "f(x): add 2, times 3"
     assert _exact(p) == "```python\ndef f(x):\n    return (x+2)*3\n```"
     # every exact solution passes its own check(): operator precedence is right in all shapes
@@ -265,9 +265,9 @@ def test_math_slips_per_step():
             lhs, rhs = line.split("=")
             steps += 1
             bad_steps += eval(lhs) != int(rhs)
-    assert abs(bad_steps / steps - toy.SLIP) < 0.03
+    assert abs(bad_steps / steps - toy.SLIP["math"]) < 0.03
     # a wrong answer needs at least one slipped step (two slips rarely cancel)
-    expected = 1 - (1 - toy.SLIP) ** n_steps
+    expected = 1 - (1 - toy.SLIP["math"]) ** n_steps
     assert abs(wrong / n - expected) < 0.05, (wrong / n, expected)
 
 
@@ -279,7 +279,7 @@ def test_code_slips_per_operation():
         p = rng.choice(train)
         _, target = toy.transcript(p, "code", "generator", rng)
         wrong += not _same_function(_function(target), _function(_exact(p)))
-        expected += 1 - (1 - toy.SLIP) ** len(p["ops"])  # one chance to slip per operation
+        expected += 1 - (1 - toy.SLIP["code"]) ** len(p["ops"])  # one chance to slip per operation
     # a slip that moves a constant past 1..9 is clamped back (a no-op), so a little below
     assert abs(wrong / n - expected / n) < 0.05, (wrong / n, expected / n)
 
@@ -408,7 +408,7 @@ def test_model_folder_is_cached_and_keyed_by_every_setting(built, monkeypatch):
         toy.model_folder("code", TINY, quiet=True)                   # other task
     with pytest.raises(RuntimeError, match="rebuild"):
         toy.model_folder("math", TINY, force=True, quiet=True)       # forced
-    monkeypatch.setattr(toy, "SLIP", toy.SLIP + 0.1)
+    monkeypatch.setitem(toy.SLIP, "math", toy.SLIP["math"] + 0.1)
     with pytest.raises(RuntimeError, match="rebuild"):
         toy.model_folder("math", TINY, quiet=True)                   # other transcript setting
     monkeypatch.undo()
