@@ -703,21 +703,29 @@ def _evaluate_cli(args):
     import tasks
     import workflows
 
-    data = args.data or args.task
-    kind = tasks.task_kind(data)
-    model, tokenizer = policies.load(args.scale, device=args.device)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kind = args.task
+    data = args.data or (f"toy_{kind}" if args.scale == "toy" else {"math": "dapo_math", "code": "deepcoder"}[kind])
+    try:
+        if tasks.task_kind(data) != kind:
+            raise ValueError(f"--data {data} is not a {kind} data set")
+        problems = tasks.load_task(data, "test", args.problems, args.seed)
+        model, tokenizer = policies.load(args.scale, device=args.device, toy_task=kind)
+    except (ValueError, RuntimeError, OSError, ImportError) as e:
+        raise SystemExit(f"error: {e}")
     ck = _checkpoint_config(args.checkpoint) if args.checkpoint else {}
     policy = policies.Policy(model, tokenizer, workflows.ROLES[args.workflow], ck.get("sharing", args.sharing),
                              isolation=ck.get("isolation", "lora"), rank=int(ck.get("lora_rank", 64)),
                              alpha=float(ck.get("lora_alpha", 32.0)))
     if args.checkpoint:
         policy.load_adapters(args.checkpoint)
-    policy.to(args.device)
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
-    limits = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
-                                ("max_prompt_tokens", args.max_prompt_tokens)) if v is not None}
-    llm = rollout.make_llm(policy, kind, temperature=args.temperature, top_p=1.0, generator=gen, **limits)
-    problems = tasks.load_task(data, "test", args.problems, args.seed)
+    # length limits: the flag, else the checkpoint's training run, else the toy / paper limits
+    toy = args.scale == "toy"
+    max_new = args.max_new_tokens or ck.get("max_new_tokens") or (48 if toy else {"math": 5120, "code": 2048}[kind])
+    max_prompt = args.max_prompt_tokens or ck.get("max_prompt_tokens") or (400 if toy else None)
+    llm = rollout.make_llm(policy, temperature=args.temperature, top_p=1.0, generator=gen,
+                           max_new_tokens=max_new, max_prompt_tokens=max_prompt)
     res = evaluate(llm, args.workflow, problems, kind, samples=args.samples, batch_size=args.batch_size,
                    progress=not args.json)
     res.update(scale=args.scale, checkpoint=args.checkpoint, data=data, temperature=args.temperature)
@@ -771,8 +779,9 @@ def main(argv=None):
     a.add_argument("--no-plots", action="store_true", help="do not write PNG plots into the run folders")
     e = p.add_argument_group("evaluate a model or checkpoint")
     e.add_argument("--workflow", choices=["single", "voting", "eval_opt", "orch_workers"], help="workflow to evaluate")
-    e.add_argument("--task", help="math or code (or a data set name tasks.load_task knows)")
-    e.add_argument("--data", default=None, help="data set name for tasks.load_task; unset means the same as --task")
+    e.add_argument("--task", choices=["math", "code"], help="task kind")
+    e.add_argument("--data", default=None, help="data set name or .jsonl file (tasks.py); unset: toy_TASK at "
+                   "--scale toy, dapo_math / deepcoder otherwise")
     e.add_argument("--scale", default="toy", help="toy, 0.6b, 1.7b, 4b, or a local model folder")
     e.add_argument("--checkpoint", default=None, help="RUN/ckpt-N folder with trained adapters; unset evaluates the base model")
     e.add_argument("--sharing", default="shared", choices=["shared", "isolated"],
@@ -782,20 +791,23 @@ def main(argv=None):
     e.add_argument("--batch-size", type=int, default=16, help="problems per rollout batch")
     e.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (the paper's 0.7)")
     e.add_argument("--max-new-tokens", type=int, default=None,
-                   help="completion length limit per call; unset uses rollout.make_llm's default")
+                   help="completion length limit per call; unset: the checkpoint's run, else 48 at --scale toy, "
+                   "else the paper's 5120 (math) / 2048 (code)")
     e.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="prompt length limit per call; unset uses rollout.make_llm's default")
-    e.add_argument("--device", default="cpu", help="torch device")
+                   help="prompt length limit per call; unset: the checkpoint's run, else 400 at --scale toy, else none")
+    e.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     e.add_argument("--seed", type=int, default=0, help="seed of the sampler and the test subset")
     # output, both modes
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = p.parse_args(argv)
 
-    assert args.cliff_window >= 1 and args.cliff_drop >= 0, "--cliff-window >= 1 and --cliff-drop >= 0"
+    if args.cliff_window < 1 or args.cliff_drop < 0:
+        p.error("--cliff-window must be >= 1 and --cliff-drop >= 0")
     if args.runs:
         _analyse_cli(args)
     elif args.workflow and args.task:
-        assert args.samples >= 1 and args.problems >= 1 and args.batch_size >= 1
+        if min(args.samples, args.problems, args.batch_size) < 1:
+            p.error("--samples, --problems and --batch-size must be >= 1")
         _evaluate_cli(args)
     else:
         p.error("give --runs RUN [RUN ...] to analyse, or --workflow and --task to evaluate")

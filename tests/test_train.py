@@ -186,3 +186,19 @@ def test_an_existing_run_folder_needs_resume(capsys, tmp_path, model_dir):
     assert "exists" in line and "--resume" in line
     line = run_failing(capsys, ["--resume", str(tmp_path / "nowhere")])
     assert "not a run folder" in line
+
+
+def test_eval_cli_scores_a_trained_checkpoint(model_dir, tmp_path, capsys):
+    import eval as ev
+    out = tmp_path / "run"
+    train.main(argv(model_dir, out, "--workflow", "voting", "--sharing", "isolated"))
+    capsys.readouterr()
+    ev.main(["--workflow", "voting", "--task", "math", "--scale", model_dir, "--checkpoint", str(out / "ckpt-last"),
+             "--data", "toy_math", "--problems", "4", "--batch-size", "2", "--device", "cpu", "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert res["problems"] == 4 and 0.0 <= res["pass@k"]["1"] <= 1.0
+    assert set(res["quality"]["roles"]) == {"generator", "aggregator"}
+    # the checkpoint's own length limit (6 new tokens) was used: no completion is longer
+    assert res["quality"]["roles"]["generator"]["len_tokens"] <= 6
+    with pytest.raises(SystemExit, match="no such file"):
+        ev.main(["--workflow", "single", "--task", "math", "--scale", model_dir, "--data", str(tmp_path / "x.jsonl")])
