@@ -703,9 +703,11 @@ def _evaluate_cli(args):
     import tasks
     import workflows
 
+    from train import DEFAULT_DATA, MAX_NEW, SCALE_DEFAULTS  # the same defaults as training
+
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kind = args.task
-    data = args.data or (f"toy_{kind}" if args.scale == "toy" else {"math": "dapo_math", "code": "deepcoder"}[kind])
+    kind, toy = args.task, args.scale == "toy"
+    data = args.data or DEFAULT_DATA[("toy" if toy else "real", kind)]
     try:
         if tasks.task_kind(data) != kind:
             raise ValueError(f"--data {data} is not a {kind} data set")
@@ -721,9 +723,10 @@ def _evaluate_cli(args):
         policy.load_adapters(args.checkpoint)
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     # length limits: the flag, else the checkpoint's training run, else the toy / paper limits
-    toy = args.scale == "toy"
-    max_new = args.max_new_tokens or ck.get("max_new_tokens") or (48 if toy else {"math": 5120, "code": 2048}[kind])
-    max_prompt = args.max_prompt_tokens or ck.get("max_prompt_tokens") or (400 if toy else None)
+    max_new = (args.max_new_tokens or ck.get("max_new_tokens")
+               or (SCALE_DEFAULTS["max_new_tokens"][0] if toy else MAX_NEW[kind]))
+    max_prompt = (args.max_prompt_tokens or ck.get("max_prompt_tokens")
+                  or (SCALE_DEFAULTS["max_prompt_tokens"][0] if toy else None))
     llm = rollout.make_llm(policy, temperature=args.temperature, top_p=1.0, generator=gen,
                            max_new_tokens=max_new, max_prompt_tokens=max_prompt)
     res = evaluate(llm, args.workflow, problems, kind, samples=args.samples, batch_size=args.batch_size,

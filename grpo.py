@@ -95,7 +95,7 @@ def group_advantages(rewards: list, keys: list, eps: float = 1e-6) -> list:
 def samples_from_episodes(episodes, group_by: str = "slot") -> list:
     """Every call of every (scored) episode as a Sample, with its group's advantage.
 
-    Reads only attributes: episode.problem_id, .reward, .calls; call.role, .slot, .prompt_ids,
+    Reads only attributes: episode.problem_id, .rollout, .reward, .calls; call.role, .slot, .prompt_ids,
     .completion_ids, .logprobs, .finished."""
     if group_by not in ("slot", "role"):
         raise ValueError(f"group_by must be slot or role, got {group_by!r}")
@@ -108,7 +108,7 @@ def samples_from_episodes(episodes, group_by: str = "slot") -> list:
                 continue
             samples.append(Sample(c.role, c.slot, str(ep.problem_id), list(c.prompt_ids),
                                   list(c.completion_ids), [float(x) for x in c.logprobs],
-                                  bool(c.finished), float(ep.reward), 0.0, getattr(ep, "rollout", 0), i))
+                                  bool(c.finished), float(ep.reward), 0.0, ep.rollout, i))
     keys = [(s.problem_id, s.slot if group_by == "slot" else s.role) for s in samples]
     for s, a in zip(samples, group_advantages([s.reward for s in samples], keys)):
         s.advantage = a

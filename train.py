@@ -270,7 +270,7 @@ def main(argv=None):
 
     os.makedirs(args.out, exist_ok=True)
     files = {k: os.path.join(args.out, f"{k}.jsonl") for k in ("metrics", "eval", "samples")}
-    start, best = 0, -1.0
+    start, best, last_acc = 0, -1.0, None
     if args.resume and os.path.isdir(os.path.join(args.out, "ckpt-last")):
         ck = os.path.join(args.out, "ckpt-last")
         policy.load_adapters(ck)
@@ -283,7 +283,9 @@ def main(argv=None):
         start, best = st["step"], st["best"]
         for f in files.values():
             truncate_jsonl(f, start)
-        evals = [json.loads(line) for line in open(files["eval"]) if line.strip()] if os.path.isfile(files["eval"]) else []
+        if os.path.isfile(files["eval"]):  # the step lines show the last evaluation until the next
+            accs = [json.loads(line)["acc"] for line in open(files["eval"]) if line.strip()]
+            last_acc = accs[-1] if accs else None
         print(f"resumed {args.out} at step {start}")
     elif args.resume:  # stopped before its first checkpoint: start over in the same folder
         for f in files.values():
@@ -307,8 +309,8 @@ def main(argv=None):
         log_jsonl(files["eval"], rec)
         return rec["acc"]
 
-    last_acc = run_eval(0) if start == 0 else (evals[-1]["acc"] if evals else None)
-    if last_acc is not None:
+    if start == 0:
+        last_acc = run_eval(0)
         print(f"step    0 | eval {last_acc:.3f} (untrained workflow, {len(test_set)} problems)")
     # Ctrl-C: finish the step in progress, save, exit (a second Ctrl-C stops at once)
     stop = []
