@@ -703,11 +703,9 @@ def _evaluate_cli(args):
     import tasks
     import workflows
 
-    from train import DEFAULT_DATA, MAX_NEW, SCALE_DEFAULTS  # the same defaults as training
-
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kind, toy = args.task, args.scale == "toy"
-    data = args.data or DEFAULT_DATA[("toy" if toy else "real", kind)]
+    kind = args.task
+    data = args.data or tasks.default_data(args.scale, kind)
     try:
         if tasks.task_kind(data) != kind:
             raise ValueError(f"--data {data} is not a {kind} data set")
@@ -723,10 +721,9 @@ def _evaluate_cli(args):
         policy.load_adapters(args.checkpoint)
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     # length limits: the flag, else the checkpoint's training run, else the toy / paper limits
-    max_new = (args.max_new_tokens or ck.get("max_new_tokens")
-               or (SCALE_DEFAULTS["max_new_tokens"][0] if toy else MAX_NEW[kind]))
-    max_prompt = (args.max_prompt_tokens or ck.get("max_prompt_tokens")
-                  or (SCALE_DEFAULTS["max_prompt_tokens"][0] if toy else None))
+    default_new, default_prompt = tasks.length_limits(args.scale, kind)
+    max_new = args.max_new_tokens or ck.get("max_new_tokens") or default_new
+    max_prompt = args.max_prompt_tokens or ck.get("max_prompt_tokens") or default_prompt
     llm = rollout.make_llm(policy, temperature=args.temperature, top_p=1.0, generator=gen,
                            max_new_tokens=max_new, max_prompt_tokens=max_prompt)
     res = evaluate(llm, args.workflow, problems, kind, samples=args.samples, batch_size=args.batch_size,
@@ -767,6 +764,7 @@ def _analyse_cli(args):
 
 
 def main(argv=None):
+    import workflows  # torch-free: the registry gives the workflow choices
     p = argparse.ArgumentParser(
         description="Evaluate a workflow (--workflow/--task/--scale) or analyse run folders (--runs).",
         epilog="Terminal cliff: the mean accuracy of the last --cliff-window evaluations is at least "
@@ -781,8 +779,8 @@ def main(argv=None):
     a.add_argument("--report", default=None, help="write a Markdown report of the runs to this path")
     a.add_argument("--no-plots", action="store_true", help="do not write PNG plots into the run folders")
     e = p.add_argument_group("evaluate a model or checkpoint")
-    e.add_argument("--workflow", choices=["single", "voting", "eval_opt", "orch_workers"], help="workflow to evaluate")
-    e.add_argument("--task", choices=["math", "code"], help="task kind")
+    e.add_argument("--workflow", choices=sorted(workflows.WORKFLOWS), help="workflow to evaluate")
+    e.add_argument("--task", choices=workflows.TASKS, help="task kind")
     e.add_argument("--data", default=None, help="data set name or .jsonl file (tasks.py); unset: toy_TASK at "
                    "--scale toy, dapo_math / deepcoder otherwise")
     e.add_argument("--scale", default="toy", help="toy, 0.6b, 1.7b, 4b, or a local model folder")

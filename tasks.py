@@ -10,6 +10,9 @@ rewards.math_reward; `tests` is one of the two kinds rewards.code_reward runs:
 
     load_task(name, split="train", n=None, seed=0) -> list[dict]
     task_kind(name) -> "math" | "code"
+    default_data(scale, task) -> name     the paper's data set (toy_math / toy_code at toy)
+    MAX_NEW_TOKENS[task]                  the paper's response limit: 5120 math, 2048 code
+    length_limits(scale, task) -> (max new tokens, max prompt tokens) by default
     validate(record, where=None) -> record, or ValueError naming the record
 
 `n=None` gives the whole split in its fixed order; `n=k` gives k records drawn from the split
@@ -120,6 +123,26 @@ def validate(record, where: str | None = None) -> dict:
 
 _SPLITS = ("train", "test")
 
+# The paper's data set per task (the toy world's at --scale toy) and its response limits in
+# tokens; train.py and eval.py both take their defaults from here.
+DEFAULT_DATA = {("toy", "math"): "toy_math", ("toy", "code"): "toy_code",
+                ("real", "math"): "dapo_math", ("real", "code"): "deepcoder"}
+MAX_NEW_TOKENS = {"math": 5120, "code": 2048}
+
+
+def default_data(scale: str, task: str) -> str:
+    """The data set a run on `scale` ("toy" or a real model) trains on for `task`."""
+    return DEFAULT_DATA[("toy" if scale == "toy" else "real", task)]
+
+
+def length_limits(scale: str, task: str) -> tuple:
+    """(max new tokens, max prompt tokens) of one call by default: the toy world's limits at
+    --scale toy, else the paper's response limit and no prompt limit."""
+    if scale == "toy":
+        import toy
+        return toy.MAX_NEW_TOKENS, toy.MAX_PROMPT_TOKENS
+    return MAX_NEW_TOKENS[task], None
+
 
 def task_kind(name: str) -> str:
     """'math' or 'code' for a registered task name or a .jsonl path."""
@@ -191,7 +214,7 @@ def _package_dir(module: str, pip_name: str, task: str) -> str:
     return os.path.dirname(spec.origin)
 
 
-# LEAD: toy_math / toy_code are produced by toy.py; this is the only place they are wired.
+# toy_math / toy_code are produced by toy.py; this is the only place they are wired.
 def _load_toy(name: str, split: str, n: int | None, seed: int) -> list[dict]:
     try:
         import toy
@@ -388,8 +411,8 @@ def _load_deepcoder(name: str, split: str) -> list[dict]:
 
 # name -> (kind, loader)
 _REGISTRY = {
-    "toy_math": ("math", _load_toy),  # LEAD: wired to toy.problems("math", ...)
-    "toy_code": ("code", _load_toy),  # LEAD: wired to toy.problems("code", ...)
+    "toy_math": ("math", _load_toy),
+    "toy_code": ("code", _load_toy),
     "humaneval": ("code", _load_humaneval),
     "gsm8k_test100": ("math", _load_gsm8k_test100),
     "dapo_math": ("math", _load_dapo),

@@ -59,6 +59,10 @@ SLIP = {"math": 0.2, "code": 0.4}
 JUDGE = 0.8    # probability that a warm-start evaluator gives the true verdict
 PICK = 0.75    # probability that an aggregator / synthesizer follows the majority answer
 WARM = dict(steps=520, batch=48, lr=3e-3, warmup=50, seed=0)
+# length limits of a toy call (train.py's and eval.py's defaults at --scale toy). Warm-start
+# prompts stay under ~120 tokens; solutions, verdicts and picks under ~40 tokens, but a plan
+# of three STRATEGY lines can reach ~70, so its third line may be cut (still parsed).
+MAX_NEW_TOKENS, MAX_PROMPT_TOKENS = 48, 400
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ["\\boxed{Correct}", "\\boxed{Incorrect}", "\\boxed{", "```python\n", "```", "def f(x):\n",

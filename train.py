@@ -32,16 +32,13 @@ import signal
 import sys
 import time
 
-# (toy value, paper value) of every flag whose default depends on the scale
+# (toy value, paper value) of every flag whose default depends on the scale (None: all of the
+# test split); the length limits come from tasks.length_limits
 SCALE_DEFAULTS = {
     "problems_per_step": (16, 64), "group_size": (8, 8), "steps": (100, 500), "lr": (1e-3, 2e-5),
     "warmup_steps": (5, 15), "lora_rank": (16, 64), "lora_alpha": (32, 32), "eval_every": (20, 5),
-    "eval_problems": (512, None), "max_new_tokens": (48, None), "max_prompt_tokens": (400, None),
-    "token_budget": (16384, 16384),
+    "eval_problems": (512, None), "token_budget": (16384, 16384),
 }
-MAX_NEW = {"math": 5120, "code": 2048}    # the paper's response limits
-DEFAULT_DATA = {("toy", "math"): "toy_math", ("toy", "code"): "toy_code",
-                ("real", "math"): "dapo_math", ("real", "code"): "deepcoder"}
 
 
 def scale_default(name):
@@ -49,12 +46,19 @@ def scale_default(name):
     return f" (default: {toy} at --scale toy, {paper if paper is not None else 'per task'} otherwise)"
 
 
+def _per_task(d):
+    return ", ".join(f"{v} {k}" for k, v in d.items())
+
+
 def parse_args(argv=None):
+    import tasks
+    import toy
+    import workflows  # torch-free: the registry gives the workflow choices and role names
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # --- what to train
-    ap.add_argument("--workflow", default="voting", choices=["single", "voting", "eval_opt", "orch_workers"],
+    ap.add_argument("--workflow", default="voting", choices=sorted(workflows.WORKFLOWS),
                     help="multi-agent workflow (single = one-call control) (default: %(default)s)")
-    ap.add_argument("--task", default="math", choices=["math", "code"], help="task kind (default: %(default)s)")
+    ap.add_argument("--task", default="math", choices=workflows.TASKS, help="task kind (default: %(default)s)")
     ap.add_argument("--data", default=None, help="data set name (tasks.py) or a .jsonl file "
                     "(default: toy_math/toy_code at --scale toy, dapo_math/deepcoder otherwise)")
     ap.add_argument("--eval-data", default=None, help="held-out data set or .jsonl file "
@@ -69,8 +73,8 @@ def parse_args(argv=None):
     ap.add_argument("--group-size", type=int, default=None, help="rollouts per problem (G)" + scale_default("group_size"))
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature, training and evaluation (default: %(default)s)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="completion limit per call" + scale_default("max_new_tokens") + "; paper: 5120 math, 2048 code")
-    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt limit per call, longer prompts keep their end" + scale_default("max_prompt_tokens"))
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="completion limit per call (default: %d at --scale toy, the paper's %s otherwise)" % (toy.MAX_NEW_TOKENS, _per_task(tasks.MAX_NEW_TOKENS)))
+    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt limit per call, longer prompts keep their end (default: %d at --scale toy, none otherwise)" % toy.MAX_PROMPT_TOKENS)
     ap.add_argument("--max-rows", type=int, default=None, help="rows per generate call (memory cap; default: a whole stage at once)")
     # --- optimisation (grpo.py)
     ap.add_argument("--steps", type=int, default=None, help="training steps" + scale_default("steps"))
@@ -118,9 +122,10 @@ def parse_args(argv=None):
     for name in SCALE_DEFAULTS:
         if getattr(args, name) is None:
             setattr(args, name, SCALE_DEFAULTS[name][real])
-    if args.max_new_tokens is None:
-        args.max_new_tokens = MAX_NEW[args.task]
-    args.data = args.data or DEFAULT_DATA[("real" if real else "toy", args.task)]
+    default_new, default_prompt = tasks.length_limits(args.scale, args.task)
+    args.max_new_tokens = args.max_new_tokens or default_new
+    args.max_prompt_tokens = args.max_prompt_tokens or default_prompt
+    args.data = args.data or tasks.default_data(args.scale, args.task)
     if args.mini_batch is None:
         args.mini_batch = args.problems_per_step * args.group_size
     kl_role = {}
@@ -130,7 +135,6 @@ def parse_args(argv=None):
             kl_role[role] = float(value)
         except ValueError:
             ap.error(f"--kl-coef-role {item!r}: expected ROLE=VALUE with a number")
-    import workflows  # torch-free: the role names of the workflow
     for role in set(kl_role) - set(workflows.ROLES[args.workflow]):
         ap.error(f"--kl-coef-role {role}: not a role of {args.workflow} ({', '.join(workflows.ROLES[args.workflow])})")
     args.kl_coef_role = kl_role

@@ -37,6 +37,10 @@ Exact choices:
 No torch here: `llm` is any callable with the contract below (rollout.py builds the real one,
 tests use a scripted fake). Run: `run_workflow("voting", episodes, llm, "math")`; tests:
 `python -m pytest -q tests/test_workflows.py`.
+
+A new workflow is one `register(name, fn, roles, slots, kinds=..., instructions=...)` call:
+train.py's and eval.py's `--workflow` choices, sweep.py's cells and eval.py's role groups and
+colours all read the registry (README, "Adding a workflow", lists what cannot be derived).
 """
 import re
 from dataclasses import dataclass, field
@@ -79,21 +83,23 @@ LLM = Callable[[str, list, list], list]
 
 TASKS = ("math", "code")
 
+# The registry, filled by `register` at the end of this file: a fork adds a workflow with one
+# `register(...)` call, and train.py, eval.py and sweep.py read their choices from here.
+WORKFLOWS: dict[str, Callable] = {}
 # Role types of each workflow: under `isolated` sharing each role type owns one adapter.
-ROLES: dict[str, tuple[str, ...]] = {
-    "single": ("generator",),
-    "voting": ("generator", "aggregator"),
-    "eval_opt": ("generator", "evaluator"),
-    "orch_workers": ("orchestrator", "worker", "synthesizer"),
-}
+ROLES: dict[str, tuple[str, ...]] = {}
 # Slots (positions in the workflow) with default parameters; GRPO groups samples by
 # (problem, slot). Voting with n_voters=n uses generator0..generator{n-1}.
-SLOTS: dict[str, tuple[str, ...]] = {
-    "single": ("generator",),
-    "voting": ("generator0", "generator1", "generator2", "aggregator"),
-    "eval_opt": ("generator", "evaluator"),
-    "orch_workers": ("orchestrator", "worker", "synthesizer"),
-}
+SLOTS: dict[str, tuple[str, ...]] = {}
+# What each role type does, for the analysis (eval.py): "solution" roles write a solution
+# that can be graded, "supervisory" roles judge or choose among solutions others wrote (the
+# paper's evaluator and aggregator), "planning" roles direct others without solving (the
+# orchestrator: it neither writes nor judges a solution, so it is in neither group of the
+# paper's supervisor / generator gradient ratio).
+ROLE_KINDS: dict[str, str] = {"generator": "solution", "worker": "solution", "synthesizer": "solution",
+                              "aggregator": "supervisory", "evaluator": "supervisory",
+                              "orchestrator": "planning"}
+KINDS = ("solution", "supervisory", "planning")
 EVAL_OPT_ROUNDS = {"math": 3, "code": 2}   # evaluator rounds when max_rounds is None
 
 # ---------------------------------------------------------------------------------------
@@ -379,9 +385,26 @@ def orch_workers(episodes: list[Episode], llm: LLM, task: str, max_strategies: i
         ep.final_text = call.text
 
 
-WORKFLOWS: dict[str, Callable] = {
-    "single": single, "voting": voting, "eval_opt": eval_opt, "orch_workers": orch_workers,
-}
+def register(name: str, fn: Callable, roles: tuple, slots: tuple, kinds: dict | None = None,
+             instructions: dict | None = None) -> None:
+    """Add a workflow: `fn(episodes, llm, task, **params)`, its role types (one adapter each
+    under isolated), its slots (advantage groups) and, for new role types, their kinds
+    (ROLE_KINDS) and system instructions {(role, task): text}."""
+    kinds, instructions = dict(kinds or {}), dict(instructions or {})
+    for role in roles:
+        kind = kinds.get(role, ROLE_KINDS.get(role))
+        if kind not in KINDS:
+            raise ValueError(f"workflow {name!r}: role {role!r} needs a kind, one of {KINDS}")
+        ROLE_KINDS[role] = kind
+    WORKFLOWS[name], ROLES[name], SLOTS[name] = fn, tuple(roles), tuple(slots)
+    INSTRUCTIONS.update(instructions)
+
+
+register("single", single, ("generator",), ("generator",))
+register("voting", voting, ("generator", "aggregator"), ("generator0", "generator1", "generator2", "aggregator"))
+register("eval_opt", eval_opt, ("generator", "evaluator"), ("generator", "evaluator"))
+register("orch_workers", orch_workers, ("orchestrator", "worker", "synthesizer"),
+         ("orchestrator", "worker", "synthesizer"))
 
 
 def run_workflow(name: str, episodes: list[Episode], llm: LLM, task: str, **params) -> None:
