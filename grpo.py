@@ -310,61 +310,137 @@ def flat_grad(params) -> torch.Tensor:
                       for p in params])
 
 
+def set_flat_grad(params, vec) -> None:
+    """Write the (N,) vector back into the parameters' .grad, in flat_grad's order."""
+    k = 0
+    for p in params:
+        n = p.numel()
+        p.grad = vec[k:k + n].view_as(p).to(p.dtype).clone()
+        k += n
+
+
+def needs_forward(samples, kl_of, skip_zero: bool = True) -> list:
+    """Which rows can move the weights. With A = 0 the policy term is -0 * ratio, so a row
+    whose role also has no KL coefficient has exactly zero gradient: it skips the old-logprob
+    recompute and the training forward and backward, and still counts in the denominators."""
+    return [not skip_zero or s.advantage != 0.0 or kl_of(s.role) != 0.0 for s in samples]
+
+
+@torch.no_grad()
+def old_logprobs(policy, samples, by_name, live, kl_of, temperature, token_budget):
+    """(old, entropy, ref): per-sample 1-D tensors from the training forward before any
+    parameter moves, None for rows that do not run; ref only for rows whose role has a KL."""
+    old, ent, ref = [None] * len(samples), [None] * len(samples), [None] * len(samples)
+    for name, rows in by_name.items():
+        rows = [i for i in rows if live[i]]
+        if rows:
+            with policy.using(name) as model:
+                lps, ents = sequence_logprobs(model, [samples[i] for i in rows], temperature, token_budget)
+            for i, lp, e in zip(rows, lps, ents):
+                old[i], ent[i] = lp, e
+    kl_rows = [i for i in range(len(samples)) if live[i] and kl_of(samples[i].role)]
+    if kl_rows:
+        with policy.using(None) as model:   # the frozen base is the KL reference
+            lps, _ = sequence_logprobs(model, [samples[i] for i in kl_rows], temperature, token_budget)
+        for i, lp in zip(kl_rows, lps):
+            ref[i] = lp
+    return old, ent, ref
+
+
+def _padded(ts, T, dev):
+    """Per-sample 1-D tensors -> (B, T), zeros past each completion."""
+    out = torch.zeros((len(ts), T), device=dev)
+    for r, t in enumerate(ts):
+        out[r, :len(t)] = t
+    return out
+
+
+def _micro_step(policy, name, samples, mb, old, ref, beta, denom, obj, stats):
+    """Forward, loss and backward of one micro-batch; gradients accumulate into .grad.
+    The backward runs while the adapter is active: under activation checkpointing the layers
+    are recomputed during it, and their LoRA hooks must see the same adapter."""
+    role = samples[mb[0]].role
+    with policy.using(name) as model:
+        logp, _, mask = batch_logprobs(model, [samples[i].prompt_ids for i in mb],
+                                       [samples[i].completion_ids for i in mb], obj["temperature"])
+        T, dev = logp.shape[1], logp.device
+        adv = torch.tensor([samples[i].advantage for i in mb], device=dev, dtype=torch.float32)
+        loss, _, ratio, clipped, k3 = objective(
+            logp, _padded([old[i] for i in mb], T, dev), adv, mask, clip_low=obj["clip_low"],
+            clip_high=obj["clip_high"], clip_c=obj["clip_c"], loss_norm=obj["loss_norm"], denom=denom,
+            ref_logp=_padded([ref[i] for i in mb], T, dev) if beta else None, kl_coef=beta)
+        loss.backward()
+    if stats is not None:
+        with torch.no_grad():
+            stats[role, "tokens"] += float(mask.sum())
+            stats[role, "clipped"] += float(clipped.sum())
+            stats[role, "ratio"] += float((ratio * mask).sum())
+            if k3 is not None:
+                stats[role, "kl"] += float((k3 * mask).sum())
+
+
 def minibatch_gradients(policy, name, samples, rows, old, ref, *, temperature, clip_low,
-                        clip_high, clip_c, loss_norm, kl_of, token_budget, acc=None, stats=None):
-    """Accumulate the gradient of one mini-batch's loss into the .grad of adapter `name`.
+                        clip_high, clip_c, loss_norm, kl_of, token_budget, acc=None, stats=None,
+                        live=None):
+    """Accumulate the gradient of one mini-batch's loss into the .grad of adapter `name`, and
+    return each (role, slot)'s part of it: {(role, slot): flattened contribution}.
 
     rows: indices into samples; old / ref: per-sample 1-D tensors (ref may hold None); kl_of:
-    role -> KL coefficient. Micro-batches run role by role and slot by slot, and the flattened
-    gradient is read after each slot: the difference is that slot's contribution. Returns
-    `acc` ({(role, slot): flattened contribution}, a new dict if None) with this mini-batch's
-    contributions added in place, so a step holds one vector per slot. `stats`, if given, is a
-    defaultdict(float) keyed by (role, field) that gets token counts and sums."""
+    role -> KL coefficient; live: which rows run (needs_forward; default all). Micro-batches
+    run role by role and slot by slot, and the flattened gradient is read after each slot:
+    the difference is that slot's contribution (it carries the slot's share of the loss
+    normalisation, so it is not weighted again). If `acc` is given, the contributions are
+    added to it in place and it is returned. `stats`, if given, is a defaultdict(float) keyed
+    by (role, field) that gets token counts and sums."""
     params = policy.parameters_of(name)
-    for p in params:
-        p.grad = None
+    for p in params:  # zeros, not None: a mini-batch with nothing to run still steps AdamW
+        p.grad = torch.zeros_like(p)
+    obj = dict(temperature=temperature, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
+               loss_norm=loss_norm)
     denom = len(rows) if loss_norm == "seq" else sum(len(samples[i].completion_ids) for i in rows)
     by_slot = defaultdict(list)
     for i in rows:
         by_slot[(samples[i].role, samples[i].slot)].append(i)
-    acc = {} if acc is None else acc
-    prev = None
-    dev = params[0].device
+    out = {} if acc is None else acc
+    prev = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
     for role, slot in sorted(by_slot, key=lambda k: (policy.roles.index(k[0]), k[1])):
-        beta = kl_of(role)
-        for mb in micro_batches(samples, by_slot[(role, slot)], token_budget):
-            with policy.using(name) as model:
-                logp, _, mask = batch_logprobs(model, [samples[i].prompt_ids for i in mb],
-                                               [samples[i].completion_ids for i in mb], temperature)
-            T = logp.shape[1]
-
-            def padded(ts):  # per-sample 1-D tensors -> (B, T), zeros past each completion
-                out = torch.zeros((len(mb), T), device=dev)
-                for r, t in enumerate(ts):
-                    out[r, :len(t)] = t
-                return out
-            old_lp = padded([old[i] for i in mb])
-            ref_lp = padded([ref[i] for i in mb]) if beta else None
-            adv = torch.tensor([samples[i].advantage for i in mb], device=dev, dtype=torch.float32)
-            loss, _, ratio, clipped, k3 = objective(
-                logp, old_lp, adv, mask, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
-                loss_norm=loss_norm, denom=denom, ref_logp=ref_lp, kl_coef=beta)
-            loss.backward()
-            if stats is not None:
-                with torch.no_grad():
-                    stats[role, "tokens"] += float(mask.sum())
-                    stats[role, "clipped"] += float(clipped.sum())
-                    stats[role, "ratio"] += float((ratio * mask).sum())
-                    if k3 is not None:
-                        stats[role, "kl"] += float((k3 * mask).sum())
+        run = [i for i in by_slot[role, slot] if live is None or live[i]]
+        for mb in micro_batches(samples, run, token_budget):
+            _micro_step(policy, name, samples, mb, old, ref, kl_of(role), denom, obj, stats)
         now = flat_grad(params)                  # (N,) the accumulated gradient so far
-        if (role, slot) not in acc:
-            acc[role, slot] = torch.zeros_like(now)
-        acc[role, slot].add_(now)
-        if prev is not None:
-            acc[role, slot].sub_(prev)
+        part = now - prev
+        out[role, slot] = out[role, slot] + part if (role, slot) in out else part
         prev = now
-    return acc
+    return out
+
+
+class CoherenceDamp:
+    """The paper's coherence intervention (`--coherence-damp ROLE=LAMBDA`): at each optimizer
+    step a role's gradient g is scaled by s = 1 - LAMBDA * max(0, cos(g, m)), where m is an
+    EMA of the role's past (scaled) gradients, m <- d m + (1 - d) s g with d = 1 - 1/window
+    (`--coherence-window`). A gradient that keeps pointing where the role already went is
+    damped; the first step of a role (no history) is not. LAMBDA 0 leaves the update exact."""
+
+    def __init__(self, lambdas: dict, window: int = 10):
+        if window < 1:
+            raise ValueError("coherence window must be >= 1")
+        self.lambdas, self.decay, self.ema = dict(lambdas), 1.0 - 1.0 / window, {}
+
+    def __call__(self, role: str, g):
+        """(scale, cosine or None) for this step's gradient of `role`; updates its EMA."""
+        if role not in self.lambdas:
+            return 1.0, None
+        m = self.ema.get(role)
+        cos = _cos(g, m) if m is not None else None
+        scale = 1.0 - self.lambdas[role] * max(0.0, cos) if cos is not None else 1.0
+        self.ema[role] = g * scale if m is None else m.mul_(self.decay).add_(g, alpha=(1 - self.decay) * scale)
+        return scale, cos
+
+    def state_dict(self) -> dict:
+        return {"ema": {r: m.cpu() for r, m in self.ema.items()}}
+
+    def load_state_dict(self, state: dict, device=None) -> None:
+        self.ema = {r: m.to(device) if device is not None else m for r, m in state["ema"].items()}
 
 
 def _cos(a, b):
@@ -372,33 +448,110 @@ def _cos(a, b):
     return None if na == 0 or nb == 0 else float(a @ b) / (na * nb)
 
 
+class StepLog:
+    """What one training step measured, gathered while the adapters update."""
+
+    def __init__(self):
+        self.stats = defaultdict(float)        # (role, field) -> token counts and sums
+        self.opt_norms = defaultdict(list)     # role -> norm of its part of each optimizer step
+        self.damp = defaultdict(list)          # role -> (cosine, scale) per optimizer step
+        self.opt_steps = defaultdict(int)      # role -> optimizer steps whose mini-batch held it
+        self.role_norm, self.slot_norm, self.adapters = {}, {}, {}
+        self.coherence, self.slot_cos, self.cos_roles = {}, {}, {}
+
+
+def optimizer_step(opt, params, parts, max_grad_norm, damp, log):
+    """Damp (if asked), clip and apply one mini-batch's gradient; return its pre-clip norm.
+    parts: {(role, slot): contribution}; their sum is what .grad holds."""
+    by_role = defaultdict(list)
+    for (role, _), v in parts.items():
+        by_role[role].append(v)
+    scales = {}
+    for role, vs in by_role.items():
+        g = torch.stack(vs).sum(0) if len(vs) > 1 else vs[0]
+        log.opt_norms[role].append(float(g.norm()))   # before damping and clipping
+        log.opt_steps[role] += 1
+        if damp is not None:
+            scales[role], cos = damp(role, g)
+            if cos is not None:
+                log.damp[role].append((cos, scales[role]))
+    if any(s != 1.0 for s in scales.values()):  # only then rebuild: scale 1 keeps .grad exact
+        set_flat_grad(params, sum(v * scales.get(role, 1.0) for (role, _), v in parts.items()))
+    if max_grad_norm and max_grad_norm > 0:
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    else:
+        norm = float(flat_grad(params).norm())
+    opt.step()
+    return norm
+
+
+def adapter_step(policy, name, opt, samples, rows, live, old, ref, kl_of, obj, mini_batch,
+                 max_grad_norm, generator, damp, log):
+    """Every mini-batch of one adapter: shuffle its rows, cut them into mini-batches of
+    `mini_batch` sequences, one optimizer step each; then reduce the step's diagnostics."""
+    params = policy.parameters_of(name)
+    log.adapters[name] = {"n": len(rows), "opt_steps": 0, "grad_norm": 0.0,
+                          "lr": opt.param_groups[0]["lr"]}
+    if not rows:
+        return
+    rows = [rows[j] for j in torch.randperm(len(rows), generator=generator).tolist()]
+    step_parts, norms = {}, []   # (role, slot) -> contribution summed over the step
+    for start in range(0, len(rows), mini_batch):
+        parts = minibatch_gradients(policy, name, samples, rows[start:start + mini_batch], old, ref,
+                                    kl_of=kl_of, stats=log.stats, live=live, **obj)
+        norms.append(optimizer_step(opt, params, parts, max_grad_norm, damp, log))
+        for k, v in parts.items():
+            step_parts[k] = step_parts[k].add_(v) if k in step_parts else v
+    opt.zero_grad(set_to_none=True)
+    log.adapters[name].update(opt_steps=len(norms), grad_norm=sum(norms) / len(norms))
+    reduce_diagnostics(policy, step_parts, log)
+
+
+def reduce_diagnostics(policy, parts, log):
+    """Per-role and per-slot norms, slot cosines, coherence and role cosines of one adapter's
+    step contributions, as floats (the vectors are freed after)."""
+    roles_here = sorted({r for r, _ in parts}, key=policy.roles.index)
+    rvec = {}
+    for role in roles_here:
+        keys = sorted(k for k in parts if k[0] == role)
+        rvec[role] = sum(parts[k] for k in keys)
+        log.role_norm[role] = float(rvec[role].norm())
+        for k in keys:
+            log.slot_norm[k[1]] = float(parts[k].norm())
+        if len(keys) > 1:
+            total = sum(log.slot_norm[k[1]] for k in keys)
+            if total > 0:
+                log.coherence[role] = log.role_norm[role] / total
+            pairs = {f"{a[1]}|{b[1]}": _cos(parts[a], parts[b]) for i, a in enumerate(keys) for b in keys[i + 1:]}
+            log.slot_cos[role] = {k: c for k, c in pairs.items() if c is not None}
+    for i, a in enumerate(roles_here):
+        for b in roles_here[i + 1:]:
+            c = _cos(rvec[a], rvec[b])
+            if c is not None:
+                log.cos_roles[f"{a}|{b}"] = c
+
+
+def _step_schedulers(schedulers):
+    for sched in schedulers.values():
+        with warnings.catch_warnings():
+            # an adapter without samples this step took no optimizer step; torch's order warning
+            # does not apply, since the schedule counts training steps, not optimizer steps
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            sched.step()
+
+
 def update(policy, optimizers, schedulers, samples, *, temperature, mini_batch=512, clip_low=0.2,
            clip_high=0.28, clip_c=3.0, loss_norm="seq", kl_coef=0.0, kl_coef_role=None,
-           max_grad_norm=1.0, token_budget=8192, generator=None) -> dict:
-    """One training step over `samples`; returns the step's metrics (see .notes/RUNFOLDER.md).
+           max_grad_norm=1.0, token_budget=8192, generator=None, damp=None, skip_zero=True) -> dict:
+    """One training step over `samples`; returns the step's metrics (docs/RUNFOLDER.md).
 
-    For each adapter name: its samples (those of the roles routed to it) are shuffled with
+    Steps: (1) old logprobs (and the base's, for roles with a KL coefficient) recomputed once,
+    before any parameter moves, for the rows that can move the weights (needs_forward);
+    (2) for each adapter name: its samples (those of the roles routed to it) are shuffled with
     `generator` and cut into mini-batches of `mini_batch` sequences; each mini-batch takes one
-    optimizer step after gradient accumulation over micro-batches and clipping to
-    `max_grad_norm`. Old logprobs (and the base's, for roles with a KL coefficient) are
-    recomputed once, before the first mini-batch. Every scheduler steps once at the end.
-
-    Metrics, per role: n, len, trunc_frac, grad_norm (norm of the role's summed contribution
-    over the step, before clipping), grad_share (that norm over the sum of every role's norm
-    in the step, so under isolated it compares adapters of the same shape), clip_frac,
-    ratio_mean (token means over the update's forwards), entropy (token mean of the
-    pre-update policy), logprob_gap (token mean |sampler - recomputed old|), opt_steps
-    (optimizer steps whose mini-batch held the role), kl (when its coefficient is set). Per
-    slot: n, len, grad_norm. dominant_role, cos_roles (pairs of roles on one adapter, so under
-    shared only), slot_cos and coherence ||sum_k g_k|| / sum_k ||g_k|| for roles with several
-    slots; adapters: {name: {n, opt_steps, grad_norm (mean pre-clip norm per step), lr}}.
-
-    Memory of the diagnostics: one fp32 vector the size of an adapter per slot of that adapter,
-    plus two for the running snapshot (and one per role while they are reduced to numbers),
-    held while that adapter's mini-batches run and freed before the next adapter. For LoRA rank 64 on Qwen3-4B an adapter is ~130M numbers (~0.5
-    GB), so Voting under shared holds ~3 GB; with --isolation full the vectors are the size of
-    the model (16 GB each at 4B), which is why full copies are for small models only.
-    """
+    optimizer step after gradient accumulation over micro-batches, the optional coherence
+    damping (`damp`, a CoherenceDamp) and clipping to `max_grad_norm`; (3) every scheduler
+    steps once; (4) the diagnostics are summarised (`summarise`)."""
     if loss_norm not in ("seq", "token"):
         raise ValueError(f"loss_norm must be seq or token, got {loss_norm!r}")
     if mini_batch < 1:
@@ -414,126 +567,82 @@ def update(policy, optimizers, schedulers, samples, *, temperature, mini_batch=5
     by_name = defaultdict(list)
     for i, s in enumerate(samples):
         by_name[policy.adapter(s.role)].append(i)
-
-    # old logprobs (and entropies) from the training forward, before any parameter moves
-    old, ent = [None] * len(samples), [None] * len(samples)
-    ref = [None] * len(samples)
-    with torch.no_grad():
-        for name, rows in by_name.items():
-            with policy.using(name) as model:
-                lps, ents = sequence_logprobs(model, [samples[i] for i in rows], temperature, token_budget)
-            for i, lp, e in zip(rows, lps, ents):
-                old[i], ent[i] = lp, e
-        kl_rows = [i for i in range(len(samples)) if kl_of(samples[i].role)]
-        if kl_rows:
-            with policy.using(None) as model:
-                lps, _ = sequence_logprobs(model, [samples[i] for i in kl_rows], temperature, token_budget)
-            for i, lp in zip(kl_rows, lps):
-                ref[i] = lp
-
-    stats = defaultdict(float)
-    role_vec, slot_vec = {}, {}          # per-step norms/cosines, as floats
-    slot_norm, coherence, slot_cos, cos_roles = {}, {}, {}, {}
-    opt_steps = defaultdict(int)
-    adapters = {}
+    live = needs_forward(samples, kl_of, skip_zero)
+    old, ent, ref = old_logprobs(policy, samples, by_name, live, kl_of, temperature, token_budget)
+    obj = dict(temperature=temperature, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
+               loss_norm=loss_norm, token_budget=token_budget)
+    log = StepLog()
     for name in policy.names:
-        rows = by_name.get(name, [])
-        params = policy.parameters_of(name)
-        lr = optimizers[name].param_groups[0]["lr"]
-        adapters[name] = {"n": len(rows), "opt_steps": 0, "grad_norm": 0.0, "lr": lr}
-        if not rows:
-            continue
-        perm = torch.randperm(len(rows), generator=generator).tolist()
-        rows = [rows[j] for j in perm]
-        acc = {}                          # (role, slot) -> summed contribution over the step
-        norms = []
-        for start in range(0, len(rows), mini_batch):
-            mb = rows[start:start + mini_batch]
-            minibatch_gradients(
-                policy, name, samples, mb, old, ref, temperature=temperature, clip_low=clip_low,
-                clip_high=clip_high, clip_c=clip_c, loss_norm=loss_norm, kl_of=kl_of,
-                token_budget=token_budget, acc=acc, stats=stats)
-            if max_grad_norm and max_grad_norm > 0:
-                norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
-            else:
-                norms.append(float(flat_grad(params).norm()))
-            optimizers[name].step()
-            for role in {samples[i].role for i in mb}:
-                opt_steps[role] += 1
-        optimizers[name].zero_grad(set_to_none=True)
-        adapters[name].update(opt_steps=len(norms), grad_norm=sum(norms) / len(norms))
+        adapter_step(policy, name, optimizers[name], samples, by_name.get(name, []), live, old, ref,
+                     kl_of, obj, mini_batch, max_grad_norm, generator, damp, log)
+    _step_schedulers(schedulers)
+    return summarise(policy, samples, live, old, ent, log, kl_of)
 
-        # reduce this adapter's vectors to numbers, then free them
-        roles_here = sorted({r for r, _ in acc}, key=policy.roles.index)
-        rvec = {}
-        for role in roles_here:
-            keys = sorted(k for k in acc if k[0] == role)
-            rvec[role] = sum(acc[k] for k in keys)
-            role_vec[role] = float(rvec[role].norm())
-            for k in keys:
-                slot_norm[k[1]] = float(acc[k].norm())
-            if len(keys) > 1:
-                total = sum(float(acc[k].norm()) for k in keys)
-                if total > 0:
-                    coherence[role] = role_vec[role] / total
-                pairs = {}
-                for a in range(len(keys)):
-                    for b in range(a + 1, len(keys)):
-                        c = _cos(acc[keys[a]], acc[keys[b]])
-                        if c is not None:
-                            pairs[f"{keys[a][1]}|{keys[b][1]}"] = c
-                slot_cos[role] = pairs
-        for a in range(len(roles_here)):
-            for b in range(a + 1, len(roles_here)):
-                c = _cos(rvec[roles_here[a]], rvec[roles_here[b]])
-                if c is not None:
-                    cos_roles[f"{roles_here[a]}|{roles_here[b]}"] = c
-        del acc, rvec
 
-    for sched in schedulers.values():
-        with warnings.catch_warnings():
-            # an adapter without samples this step took no optimizer step; torch's order warning
-            # does not apply, since the schedule counts training steps, not optimizer steps
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-            sched.step()
+def _role_summary(samples, idx, live, old, ent, log, role, total_norm):
+    """One role's metrics; the token statistics cover the rows that ran."""
+    ran = [i for i in idx if live[i]]
+    toks = sum(len(samples[i].completion_ids) for i in idx)
+    gap_n = gap = 0.0
+    for i in ran:
+        sl = samples[i].sampler_logprobs
+        if len(sl) == len(samples[i].completion_ids):  # skip rows without sampler logprobs
+            gap += float((torch.tensor(sl, device=old[i].device) - old[i]).abs().sum())
+            gap_n += len(sl)
+    t = max(log.stats[role, "tokens"], 1.0)
+    norm, opt = log.role_norm.get(role, 0.0), log.opt_norms.get(role, [])
+    r = {"n": len(idx), "len": toks / len(idx), "skipped": len(idx) - len(ran),
+         "trunc_frac": sum(not samples[i].finished for i in idx) / len(idx),
+         "grad_norm": norm, "grad_share": norm / total_norm if total_norm > 0 else 0.0,
+         "grad_norm_opt": sum(opt) / len(opt) if opt else 0.0, "grad_norm_opt_max": max(opt, default=0.0),
+         "clip_frac": log.stats[role, "clipped"] / t, "ratio_mean": log.stats[role, "ratio"] / t,
+         "entropy": float(sum(ent[i].sum() for i in ran)) / max(sum(len(ent[i]) for i in ran), 1),
+         "logprob_gap": gap / gap_n if gap_n else 0.0, "opt_steps": log.opt_steps[role]}
+    if log.damp.get(role):
+        r["damp_cos"] = sum(c for c, _ in log.damp[role]) / len(log.damp[role])
+        r["damp_scale"] = sum(s for _, s in log.damp[role]) / len(log.damp[role])
+    return r
 
-    # ---- per-role and per-slot summaries
-    total_norm = sum(role_vec.values())
+
+def summarise(policy, samples, live, old, ent, log, kl_of) -> dict:
+    """The step's metrics (every field is described in docs/RUNFOLDER.md).
+
+    Per role: n, len, skipped (rows with zero gradient that did not run), trunc_frac,
+    grad_norm (norm of the role's contribution summed over the step, before clipping),
+    grad_share (that norm over the sum of every role's norm), grad_norm_opt / _max (mean / max
+    over the optimizer steps that held the role of the norm of its part of that step's
+    gradient, before damping and clipping), clip_frac, ratio_mean, entropy, logprob_gap
+    (token means over the rows that ran), opt_steps, kl (when its coefficient is set),
+    damp_cos / damp_scale (with the coherence intervention). Per slot: n, len, grad_norm.
+    dominant_role (absent when no role had any gradient), cos_roles (pairs of roles on one
+    adapter), slot_cos and coherence ||sum_k g_k|| / sum_k ||g_k|| for roles with several
+    slots; adapters: {name: {n, opt_steps, grad_norm (mean pre-clip norm per step), lr}}.
+
+    Memory of the diagnostics: per slot of an adapter, one fp32 vector the size of the adapter
+    for the mini-batch and one for the step, plus two snapshots, held while that adapter's
+    mini-batches run. For LoRA rank 64 on Qwen3-4B an adapter is ~130M numbers (~0.5 GB), so
+    Voting under shared holds ~5 GB; with --isolation full they are the size of the model,
+    which is why full copies are for small models only."""
+    total_norm = sum(log.role_norm.values())
     roles, slots = {}, {}
     for role in policy.roles:
         idx = [i for i, s in enumerate(samples) if s.role == role]
-        if not idx:
-            continue
-        toks = sum(len(samples[i].completion_ids) for i in idx)
-        gap_n = gap = 0.0
-        for i in idx:
-            sl = samples[i].sampler_logprobs
-            if len(sl) == len(samples[i].completion_ids):  # skip rows without sampler logprobs
-                gap += float((torch.tensor(sl, device=old[i].device) - old[i]).abs().sum())
-                gap_n += len(sl)
-        t = max(stats[role, "tokens"], 1.0)
-        r = {"n": len(idx), "len": toks / len(idx),
-             "trunc_frac": sum(not samples[i].finished for i in idx) / len(idx),
-             "grad_norm": role_vec.get(role, 0.0),
-             "grad_share": role_vec.get(role, 0.0) / total_norm if total_norm > 0 else 0.0,
-             "clip_frac": stats[role, "clipped"] / t, "ratio_mean": stats[role, "ratio"] / t,
-             "entropy": float(sum(ent[i].sum() for i in idx)) / max(toks, 1),
-             "logprob_gap": gap / gap_n if gap_n else 0.0, "opt_steps": opt_steps[role]}
-        if kl_of(role):
-            r["kl"] = stats[role, "kl"] / t
-        roles[role] = r
+        if idx:
+            roles[role] = _role_summary(samples, idx, live, old, ent, log, role, total_norm)
+            if kl_of(role):
+                roles[role]["kl"] = log.stats[role, "kl"] / max(log.stats[role, "tokens"], 1.0)
     for slot in dict.fromkeys(s.slot for s in samples):
         idx = [i for i, s in enumerate(samples) if s.slot == slot]
         slots[slot] = {"n": len(idx), "len": sum(len(samples[i].completion_ids) for i in idx) / len(idx),
-                       "grad_norm": slot_norm.get(slot, 0.0)}
-    out = {"roles": roles, "slots": slots, "adapters": adapters,
-           "lr": next(iter(adapters.values()))["lr"] if adapters else 0.0}
+                       "grad_norm": log.slot_norm.get(slot, 0.0)}
+    out = {"roles": roles, "slots": slots, "adapters": log.adapters,
+           "lr": next(iter(log.adapters.values()))["lr"] if log.adapters else 0.0}
     if total_norm > 0:
         out["dominant_role"] = max(roles, key=lambda r: roles[r]["grad_share"])
-    if cos_roles:
-        out["cos_roles"] = cos_roles
-    if coherence:
-        out["coherence"] = coherence
-    if any(slot_cos.values()):
-        out["slot_cos"] = {k: v for k, v in slot_cos.items() if v}
+    if log.cos_roles:
+        out["cos_roles"] = log.cos_roles
+    if log.coherence:
+        out["coherence"] = log.coherence
+    if any(log.slot_cos.values()):
+        out["slot_cos"] = {k: v for k, v in log.slot_cos.items() if v}
     return out

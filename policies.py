@@ -15,6 +15,8 @@ Choices, each a flag of train.py:
   role type (the 3 voters share "generator", all workers share "worker").
 - `--isolation full`: instead of adapters, a full trainable copy of the model per adapter name
   (small models only); the loaded model stays frozen as the base.
+- `--grad-checkpointing`: `checkpoint_layers` recomputes each decoder layer in the backward
+  (on by default at real scales: a 16k-token micro-batch of Qwen3-4B does not fit otherwise).
 - The active adapter is one name for the whole batch, `None` for the base, or a list with one
   name per row (rows are grouped by adapter inside each hook) so one batch can mix roles.
 - Adapters are saved in PEFT's file layout (adapter_config.json + adapter_model.safetensors with
@@ -40,7 +42,7 @@ def check_scale(scale: str) -> None:
     if scale == "toy" or scale in HUB_IDS:
         return
     if not os.path.isdir(scale):
-        raise ValueError(f"--scale {scale!r}: expected toy, {', '.join(HUB_IDS)}, or a local model folder")
+        raise ValueError(f"--scale {scale!r}: no such folder (expected toy, {', '.join(HUB_IDS)}, or a local model folder)")
     if not os.path.isfile(os.path.join(scale, "config.json")):
         raise ValueError(f"--scale {scale}: folder has no config.json, so it is not a model folder")
 
@@ -65,8 +67,8 @@ def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as e:  # offline, unknown repo, missing files
         raise RuntimeError(f"could not load {path!r} ({str(e).splitlines()[0][:160]}); "
-                           f"download it once with `huggingface-cli download {path}` on a machine with "
-                           f"network and pass its local folder as --scale") from None
+                           f"download it once with `hf download {path} --local-dir FOLDER` (huggingface_hub) on a "
+                           f"machine with network and pass that local folder as --scale") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(device).eval().requires_grad_(False)
@@ -80,6 +82,27 @@ def stop_ids(model, tokenizer) -> list:
     ids = eos if isinstance(eos, (list, tuple)) else [eos]
     ids = [i for i in ids if i is not None] + [tokenizer.eos_token_id]
     return sorted({int(i) for i in ids if i is not None})
+
+
+def checkpoint_layers(model) -> None:
+    """Activation checkpointing: each decoder layer keeps only its input for the backward and
+    is recomputed there (torch.utils.checkpoint, non-reentrant), so a training micro-batch
+    holds one layer's activations instead of all of them. Wraps `model.model.layers[i].forward`
+    on the instance, so it works whatever the transformers version's own switch is called; it
+    is a no-op without grad (sampling, old logprobs). The LoRA hooks run again in the
+    recompute, so the backward must run while the same adapter is active (grpo.py does)."""
+    from torch.utils.checkpoint import checkpoint
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no model.layers to checkpoint")
+    for layer in layers:
+        if getattr(layer, "_checkpointed", False):
+            continue
+        def forward(*args, _f=layer.forward, **kwargs):
+            if torch.is_grad_enabled():
+                return checkpoint(_f, *args, use_reentrant=False, **kwargs)
+            return _f(*args, **kwargs)
+        layer.forward, layer._checkpointed = forward, True
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -152,7 +175,7 @@ class Policy(nn.Module):
     """Role -> trainable weights. `shared`: one adapter; `isolated`: one per role type."""
 
     def __init__(self, model, tokenizer, roles, sharing: str = "shared", isolation: str = "lora",
-                 rank: int = 64, alpha: float = 32.0):
+                 rank: int = 64, alpha: float = 32.0, checkpointing: bool = False):
         super().__init__()
         if sharing not in ("shared", "isolated"):
             raise ValueError(f"sharing must be shared or isolated, got {sharing!r}")
@@ -165,7 +188,14 @@ class Policy(nn.Module):
         if isolation == "lora":
             self.lora = LoRA(model, self.names, rank, alpha)
         else:  # a full trainable copy per adapter name; the loaded model stays the frozen base
+            layers = getattr(getattr(model, "model", None), "layers", [])
+            if any(getattr(layer, "_checkpointed", False) for layer in layers):
+                raise ValueError("full copies need a model that is not checkpointed yet (copies would share its layers)")
             self.copies = nn.ModuleDict({n: copy.deepcopy(model).requires_grad_(True) for n in self.names})
+        self.checkpointing = checkpointing
+        if checkpointing:  # after the copies: a deep copy would keep calling the original's layers
+            for m in [model, *(self.copies.values() if isolation == "full" else [])]:
+                checkpoint_layers(m)
 
     def adapter(self, role: str) -> str:
         """Name of the weights a role uses and updates."""

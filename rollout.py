@@ -171,8 +171,22 @@ def render(tokenizer, messages, max_prompt_tokens: int | None = None) -> tuple[l
     return ids, False
 
 
+def kv_bytes_per_token(model) -> int:
+    """K and V of every layer for one token: 2 x layers x kv heads x head dim x dtype size."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
+
+
+def default_kv_budget(model, device, budget_gb=None) -> int:
+    """Bytes of KV cache the sampler may hold (placeholder until the budgeted sampler lands)."""
+    return int((budget_gb or 4.0) * 2**30)
+
+
 def make_llm(policy, *, temperature: float = 0.7, top_p: float = 1.0, max_new_tokens: int = 512,
-             max_prompt_tokens: int | None = None, generator=None, max_rows: int | None = None):
+             max_prompt_tokens: int | None = None, generator=None, max_rows: int | None = None,
+             kv_budget: int | None = None):
     """The `llm(role, slots, messages_list) -> list[Call]` that workflows.py calls once per stage.
 
     Every call of a stage goes to the adapter of its role in one `generate` (or chunks of

@@ -5,11 +5,14 @@
     python train.py --scale 0.6b --data dapo_math --device cuda          # the paper's setting
     python train.py --resume runs/voting-math-shared-toy-s0              # continue a stopped run
 
-One training step, literally below in `main`: draw problems, run the workflow G times on each
-(rollout.py + workflows.py), grade each episode's final answer (rewards.py) and copy the 0/1
-reward to every call, group advantages by (problem, slot), update each role's weights
-(grpo.py), log. The untrained workflow is evaluated at step 0 and every --eval-every steps on a
-fixed held-out set (pass@1 at the training temperature).
+One training step, literally below in `main`:
+  1. draw this step's problems (seeded by (seed, step), so a resumed run draws the same ones);
+  2. run the workflow G times on each (rollout.py + workflows.py);
+  3. grade each episode's final answer (rewards.py) and copy the 0/1 reward to every call;
+  4. group advantages by (problem, slot) and update each role's weights (grpo.py);
+  5. log, evaluate every --eval-every steps, checkpoint every --save-every steps.
+The untrained workflow is evaluated at step 0 on a fixed held-out set (pass@1 at the training
+temperature); ckpt-best holds the best evaluation so far, step 0 included.
 
 Defaults: the paper's hyper-parameters for the real scales (64 problems x 8 rollouts, AdamW
 2e-5, 15 warm-up steps then cosine, LoRA r64/alpha 32, clip 0.2/0.28, dual clip 3, 500
@@ -17,13 +20,19 @@ steps, evaluation every 5), and for `--scale toy` values sized so that the defau
 finishes on 2 CPU cores in under 10 minutes; `--help` shows both. The resolved configuration
 is printed once and saved as RUN/config.json.
 
-Run folder: config.json, metrics.jsonl (one object per step), eval.jsonl, samples.jsonl
-(transcripts), ckpt-last/ and ckpt-best/ (adapters in PEFT layout + optimizer, scheduler and
-RNG states, written atomically), and `done` at the end. Ctrl-C saves ckpt-last and exits;
-`--resume RUN` continues from it and, with the same seed, logs the same metrics as a run that
-never stopped (the problems of step k and every RNG state are restored, not re-drawn).
+Simplifications against the paper's verl backend: one process (or torchrun data parallel, see
+the README), the sampler of rollout.py instead of vLLM, LoRA by hand instead of FSDP.
+
+Run folder (every file and field: docs/RUNFOLDER.md): config.json, metrics.jsonl (one object
+per step), eval.jsonl, samples.jsonl (transcripts), ckpt-last/ and ckpt-best/ (adapters in
+PEFT layout + optimizer, scheduler and RNG states), and `done` at the end. A save is
+recoverable at every instant (write new, move old aside, move new in, delete old). Ctrl-C (or
+SIGTERM) finishes the step, saves ckpt-last and exits 130; `--resume RUN` continues from the
+newest complete checkpoint and, with the same seed, logs the same metrics as a run that never
+stopped (the problems of step k and every RNG state are restored, not re-drawn).
 """
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -31,14 +40,23 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 
 # (toy value, paper value) of every flag whose default depends on the scale (None: all of the
-# test split); the length limits come from tasks.length_limits
+# test split); the length limits come from tasks.length_limits, the lr also from --isolation
 SCALE_DEFAULTS = {
-    "problems_per_step": (16, 64), "group_size": (8, 8), "steps": (100, 500), "lr": (1e-3, 2e-5),
+    "problems_per_step": (16, 64), "group_size": (8, 8), "steps": (100, 500),
     "warmup_steps": (5, 15), "lora_rank": (16, 64), "lora_alpha": (32, 32), "eval_every": (20, 5),
     "eval_problems": (512, None), "token_budget": (16384, 16384),
 }
+# (toy, paper scale) learning rate per kind of trainable weights. LoRA: the paper's 2e-5, and
+# 1e-3 for the toy world. Full copies of the toy model collapse at 1e-3 (43.8 -> 9.4 in 4
+# steps); 3e-5 was the largest of 1e-5 / 3e-5 / 1e-4 / 3e-4 that did not fall below its start
+# in 30 steps (README, "Full isolation"). 1e-6 at real scales is the usual full-parameter
+# GRPO rate, not measured here.
+LR = {"lora": (1e-3, 2e-5), "full": (3e-5, 1e-6)}
+# flags that may change on --resume: the rest of the saved configuration wins
+RESUMABLE = ("resume", "steps", "device", "quiet", "log_to", "kv_budget_gb")
 
 
 def scale_default(name):
@@ -50,7 +68,7 @@ def _per_task(d):
     return ", ".join(f"{v} {k}" for k, v in d.items())
 
 
-def parse_args(argv=None):
+def build_parser():
     import tasks
     import toy
     import workflows  # torch-free: the registry gives the workflow choices and role names
@@ -73,16 +91,23 @@ def parse_args(argv=None):
     ap.add_argument("--group-size", type=int, default=None, help="rollouts per problem (G)" + scale_default("group_size"))
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature, training and evaluation (default: %(default)s)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="completion limit per call (default: %d at --scale toy, the paper's %s otherwise)" % (toy.MAX_NEW_TOKENS, _per_task(tasks.MAX_NEW_TOKENS)))
-    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt limit per call, longer prompts keep their end (default: %d at --scale toy, none otherwise)" % toy.MAX_PROMPT_TOKENS)
-    ap.add_argument("--max-rows", type=int, default=None, help="rows per generate call (memory cap; default: a whole stage at once)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="completion limit per call (default: %d at --scale "
+                    "toy, the paper's %s otherwise)" % (toy.MAX_NEW_TOKENS, _per_task(tasks.MAX_NEW_TOKENS)))
+    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt limit per call, longer prompts keep "
+                    "their end (default: %d at --scale toy, none otherwise)" % toy.MAX_PROMPT_TOKENS)
+    ap.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache the sampler may hold, GiB (default: "
+                    "a share of free GPU memory on CUDA, a fixed amount on CPU; printed at start)")
+    ap.add_argument("--max-rows", type=int, default=None, help="most rows decoded at once (default: as many as the KV budget holds)")
     # --- optimisation (grpo.py)
     ap.add_argument("--steps", type=int, default=None, help="training steps" + scale_default("steps"))
-    ap.add_argument("--lr", type=float, default=None, help="AdamW learning rate" + scale_default("lr"))
+    ap.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: %g LoRA / %g full at --scale "
+                    "toy, %g LoRA / %g full otherwise)" % (*LR["lora"][:1], *LR["full"][:1], LR["lora"][1], LR["full"][1]))
     ap.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up, then cosine to 0" + scale_default("warmup_steps"))
     ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: %(default)s)")
     ap.add_argument("--mini-batch", type=int, default=None, help="sequences per optimizer step (default: problems-per-step x group-size, the paper's 512)")
     ap.add_argument("--token-budget", type=int, default=None, help="rows x padded length per micro-batch" + scale_default("token_budget"))
+    ap.add_argument("--grad-checkpointing", default="auto", choices=["auto", "on", "off"],
+                    help="recompute each layer in the backward instead of keeping its activations (auto: on at real scales) (default: %(default)s)")
     ap.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping per optimizer step (default: %(default)s)")
     ap.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below 1 (default: %(default)s)")
     ap.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above 1, clip-higher (default: %(default)s)")
@@ -91,13 +116,18 @@ def parse_args(argv=None):
     ap.add_argument("--adv-group", default="slot", choices=["slot", "role"], help="advantage groups: (problem, slot) as the paper, or (problem, role) (default: %(default)s)")
     ap.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-base coefficient for every role, k3 estimator (default: %(default)s, as the paper)")
     ap.add_argument("--kl-coef-role", action="append", default=[], metavar="ROLE=VALUE", help="per-role KL coefficient, repeatable")
+    ap.add_argument("--coherence-damp", action="append", default=[], metavar="ROLE=LAMBDA",
+                    help="scale a role's gradient by 1 - LAMBDA max(0, cos(g, EMA of its past gradients)) at each optimizer step, repeatable")
+    ap.add_argument("--coherence-window", type=int, default=10, help="EMA window of --coherence-damp, optimizer steps (default: %(default)s)")
     ap.add_argument("--lora-rank", type=int, default=None, help="LoRA rank" + scale_default("lora_rank"))
     ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha" + scale_default("lora_alpha"))
     # --- evaluation and logging
     ap.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (0: only at start and end)" + scale_default("eval_every"))
     ap.add_argument("--eval-problems", type=int, default=None, help="held-out problems per evaluation" + scale_default("eval_problems") + "; all of the test split otherwise")
-    ap.add_argument("--samples-every", type=int, default=10, help="write transcripts of 2 episodes every N steps (default: %(default)s)")
-    ap.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps, and at the end (default: %(default)s)")
+    ap.add_argument("--samples-every", type=int, default=10, help="write transcripts of 2 episodes every N steps (0: never) (default: %(default)s)")
+    ap.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (0: only at the end) (default: %(default)s)")
+    ap.add_argument("--log-to", default="none", choices=["none", "wandb", "tensorboard"],
+                    help="also send every metric to an experiment tracker (tracking.py) (default: %(default)s)")
     # --- run
     ap.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: %(default)s)")
     ap.add_argument("--out", default=None, help="run folder (default: runs/WORKFLOW-TASK-SHARING-SCALE-sSEED)")
@@ -105,59 +135,107 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="base model dtype (default: bfloat16 on GPU, float32 on CPU)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    return ap
+
+
+def parse_args(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
+    return resume_args(ap, args) if args.resume else resolve_args(ap, args)
 
-    if args.resume:  # the saved configuration wins, except where to run and how long
-        path = os.path.join(args.resume, "config.json")
-        if not os.path.isfile(path):
-            ap.error(f"--resume {args.resume}: no config.json there, so it is not a run folder")
-        saved = json.load(open(path))
-        keep = {"resume": args.resume, "device": args.device, "quiet": args.quiet,
-                "steps": args.steps or saved["steps"]}
-        args = argparse.Namespace(**{**saved, **keep})
-        args.out = args.resume
-        return args
 
+def resume_args(ap, args):
+    """The saved configuration, with the few flags that may change on resume; say in one line
+    which other given flags are ignored."""
+    path = os.path.join(args.resume, "config.json")
+    if not os.path.isfile(path):
+        ap.error(f"--resume {args.resume}: no config.json there, so it is not a run folder")
+    with open(path) as f:
+        saved = json.load(f)
+    given = {a.dest: getattr(args, a.dest) for a in ap._actions
+             if a.dest != "help" and getattr(args, a.dest) != a.default}
+    for k in ("kl_coef_role", "coherence_damp"):  # saved as {ROLE: value}
+        if k in given:
+            given[k] = {r: float(v) for r, _, v in (x.partition("=") for x in given[k])}
+    ignored = [f"--{k.replace('_', '-')} {v} (saved {saved.get(k)})" for k, v in given.items()
+               if k not in RESUMABLE and k != "out" and saved.get(k) != v]
+    if ignored:
+        print(f"warning: on --resume the saved configuration wins; ignored: {', '.join(ignored)}", file=sys.stderr)
+    keep = {k: v for k, v in vars(args).items() if k in RESUMABLE and (k in given or k not in saved)}
+    args = argparse.Namespace(**{**saved, **keep})
+    args.steps = given.get("steps", saved["steps"])
+    args.out = args.resume
+    return args
+
+
+def _pairs(ap, items, flag, roles, workflow):
+    """{ROLE: float} from repeatable ROLE=VALUE flags, every role one of the workflow's."""
+    out = {}
+    for item in items:
+        role, _, value = item.partition("=")
+        try:
+            out[role] = float(value)
+        except ValueError:
+            ap.error(f"{flag} {item!r}: expected ROLE=VALUE with a number")
+        if role not in roles:
+            ap.error(f"{flag} {role}: not a role of {workflow} ({', '.join(roles)})")
+    return out
+
+
+def resolve_args(ap, args):
+    """Fill every default that depends on the scale, task or isolation; check invariants."""
+    import tasks
+    import workflows
     real = 1 if args.scale != "toy" else 0
     for name in SCALE_DEFAULTS:
         if getattr(args, name) is None:
             setattr(args, name, SCALE_DEFAULTS[name][real])
+    args.lr = LR[args.isolation][real] if args.lr is None else args.lr
     default_new, default_prompt = tasks.length_limits(args.scale, args.task)
     args.max_new_tokens = args.max_new_tokens or default_new
     args.max_prompt_tokens = args.max_prompt_tokens or default_prompt
     args.data = args.data or tasks.default_data(args.scale, args.task)
-    if args.mini_batch is None:
-        args.mini_batch = args.problems_per_step * args.group_size
-    kl_role = {}
-    for item in args.kl_coef_role:
-        role, _, value = item.partition("=")
-        try:
-            kl_role[role] = float(value)
-        except ValueError:
-            ap.error(f"--kl-coef-role {item!r}: expected ROLE=VALUE with a number")
-    for role in set(kl_role) - set(workflows.ROLES[args.workflow]):
-        ap.error(f"--kl-coef-role {role}: not a role of {args.workflow} ({', '.join(workflows.ROLES[args.workflow])})")
-    args.kl_coef_role = kl_role
+    args.mini_batch = args.mini_batch or args.problems_per_step * args.group_size
+    roles = workflows.ROLES[args.workflow]
+    args.kl_coef_role = _pairs(ap, args.kl_coef_role, "--kl-coef-role", roles, args.workflow)
+    args.coherence_damp = _pairs(ap, args.coherence_damp, "--coherence-damp", roles, args.workflow)
     args.out = args.out or os.path.join("runs", f"{args.workflow}-{args.task}-{args.sharing}-"
                                         f"{os.path.basename(os.path.normpath(args.scale))}-s{args.seed}")
-    for name in ("problems_per_step", "group_size", "steps", "mini_batch", "max_new_tokens", "token_budget"):
+    check_args(ap, args)
+    return args
+
+
+def check_args(ap, args):
+    import policies
+    for name in ("problems_per_step", "group_size", "steps", "mini_batch", "max_new_tokens", "token_budget",
+                 "coherence_window"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
-    if not 0 < args.temperature and args.temperature != 0:
+    for name in ("eval_every", "samples_every", "save_every"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0 (0: never)")
+    if args.temperature < 0:
         ap.error("--temperature must be >= 0")
     if not 0 < args.top_p <= 1:
         ap.error("--top-p must be in (0, 1]")
-    import policies
+    if args.kv_budget_gb is not None and args.kv_budget_gb <= 0:
+        ap.error("--kv-budget-gb must be > 0")
+    if any(not 0 <= v <= 1 for v in args.coherence_damp.values()):
+        ap.error("--coherence-damp LAMBDA must be in [0, 1]")
+    if args.scale == "toy":
+        for flag, data in (("--data", args.data), ("--eval-data", args.eval_data)):
+            if data and data not in ("toy_math", "toy_code"):
+                ap.error(f"{flag} {data}: the toy model and its character tokenizer only know the toy tasks "
+                         f"(toy_math, toy_code); for real data pass a real model, e.g. --scale 0.6b or a model folder")
     try:
         policies.check_scale(args.scale)
     except ValueError as e:
         ap.error(str(e))
     if os.path.exists(os.path.join(args.out, "config.json")):
         ap.error(f"run folder {args.out} exists; pass --resume {args.out} to continue it or --out to start anew")
-    return args
 
 
-# ----------------------------------------------------------------------------- helpers
+# ----------------------------------------------------------------------------- run files
 
 def log_jsonl(path, record):
     with open(path, "a") as f:
@@ -165,25 +243,220 @@ def log_jsonl(path, record):
 
 
 def truncate_jsonl(path, last_step):
-    """Drop records after `last_step` (logged after the checkpoint a resume starts from)."""
-    if os.path.isfile(path):
-        keep = [line for line in open(path) if line.strip() and json.loads(line).get("step", 0) <= last_step]
-        with open(path, "w") as f:
-            f.writelines(keep)
+    """Drop records after `last_step` (logged after the checkpoint a resume starts from). A run
+    killed mid-append leaves a torn line that does not parse: it is dropped, and said so."""
+    if not os.path.isfile(path):
+        return
+    keep = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                step = json.loads(line).get("step", 0)
+            except (json.JSONDecodeError, AttributeError):
+                print(f"resume: dropped a torn line {os.path.basename(path)}:{n}", file=sys.stderr)
+                continue
+            if step <= last_step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+    with open(path, "w") as f:
+        f.writelines(keep)
 
 
 def save_checkpoint(policy, optimizers, schedulers, state, folder):
-    """Adapters (PEFT layout) + optimizer, scheduler and RNG states; atomic via rename."""
+    """Adapters (PEFT layout) + optimizer, scheduler and RNG states, recoverable at every
+    instant: write FOLDER.tmp (state.pt last, itself via a rename), move FOLDER aside to
+    FOLDER.old, move FOLDER.tmp in, delete FOLDER.old. find_checkpoint reads whichever
+    complete one a kill left."""
     import torch
-    tmp = folder + ".tmp"
+    tmp, old = folder + ".tmp", folder + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save(tmp)
     torch.save({"optimizers": {k: o.state_dict() for k, o in optimizers.items()},
                 "schedulers": {k: s.state_dict() for k, s in schedulers.items()}, **state},
-               os.path.join(tmp, "state.pt"))
-    shutil.rmtree(folder, ignore_errors=True)
+               os.path.join(tmp, "state.pt.part"))
+    os.replace(os.path.join(tmp, "state.pt.part"), os.path.join(tmp, "state.pt"))
+    if os.path.isdir(folder):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
     os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
 
+
+def find_checkpoint(out, name="ckpt-last"):
+    """(folder, step) of the newest complete checkpoint among NAME, NAME.tmp, NAME.old (a
+    save killed midway leaves one of them), or (None, None)."""
+    import torch
+    best = (None, None)
+    for folder in (os.path.join(out, name + s) for s in ("", ".tmp", ".old")):
+        path = os.path.join(folder, "state.pt")
+        if os.path.isfile(path):
+            step = torch.load(path, weights_only=False)["step"]
+            if best[1] is None or step > best[1]:
+                best = (folder, step)
+    return best
+
+
+# ----------------------------------------------------------------------------- set-up
+
+@dataclass
+class Run:
+    """Everything one training run holds between steps."""
+    args: argparse.Namespace
+    policy: object
+    optimizers: dict
+    schedulers: dict
+    gen: object                   # torch.Generator of the rollouts
+    shuffle: object               # torch.Generator of the mini-batch order
+    llm: object
+    train_set: list
+    test_set: list
+    files: dict
+    damp: object = None           # grpo.CoherenceDamp or None
+    tracker: object = None
+    kv_budget: int = 0
+    best: float = -1.0
+    last_acc: float | None = None
+    start: int = 0
+    created: list = field(default_factory=list)   # files this process made (step-0 cleanup)
+
+
+def fail(msg):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def load_data(args):
+    """(train, test) problems, or one clear error line."""
+    import tasks
+    kind = tasks.task_kind(args.data)
+    if kind != args.task:
+        raise ValueError(f"--data {args.data} is a {kind} data set but --task is {args.task}")
+    train_set = tasks.load_task(args.data, "train", seed=args.seed)
+    eval_data = args.eval_data or args.data
+    if tasks.task_kind(eval_data) != args.task:
+        raise ValueError(f"--eval-data {eval_data} is not a {args.task} data set")
+    test_set = tasks.load_task(eval_data, "test")
+    if args.eval_problems and args.eval_problems < len(test_set):  # a fixed subset: seed 0
+        test_set = tasks.load_task(eval_data, "test", n=args.eval_problems, seed=0)
+    if not train_set or not test_set:
+        raise ValueError(f"--data {args.data}: empty train or test split")
+    return train_set, test_set
+
+
+def make_llm(policy, args, generator, kv_budget):
+    import rollout
+    return rollout.make_llm(policy, temperature=args.temperature, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                            generator=generator, max_rows=args.max_rows, kv_budget=kv_budget)
+
+
+def setup(args):
+    """Model, policy, data, optimizers, generators and the run folder's files."""
+    import torch
+
+    import grpo
+    import policies
+    import rollout
+    import workflows
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    try:
+        train_set, test_set = load_data(args)
+        model, tok = policies.load(args.scale, device, dtype, toy_task=args.task)
+    except (ValueError, RuntimeError, OSError, ImportError) as e:
+        fail(str(e))
+    if args.problems_per_step > len(train_set):
+        fail(f"--problems-per-step {args.problems_per_step} is more than the {len(train_set)} training problems")
+    if args.data == (args.eval_data or args.data) and args.data.endswith(".jsonl"):
+        print(f"warning: --data {args.data} is a file, so evaluation runs on the training problems; "
+              "pass --eval-data FILE for a held-out set", file=sys.stderr)
+    checkpointing = args.grad_checkpointing == "on" or (args.grad_checkpointing == "auto" and args.scale != "toy")
+    # seeded here, after loading: building the toy model on first use must not move the adapters' start
+    torch.manual_seed(args.seed)
+    policy = policies.Policy(model, tok, workflows.ROLES[args.workflow], args.sharing, args.isolation,
+                             args.lora_rank, args.lora_alpha, checkpointing=checkpointing)
+    optimizers, schedulers = grpo.make_optimizers(policy, args.lr, args.warmup_steps, args.steps,
+                                                  weight_decay=args.weight_decay)
+    gen = torch.Generator(device).manual_seed(args.seed)
+    kv_budget = rollout.default_kv_budget(model, device, args.kv_budget_gb)
+    files = {k: os.path.join(args.out, f"{k}.jsonl") for k in ("metrics", "eval", "samples")}
+    return Run(args, policy, optimizers, schedulers, gen, torch.Generator().manual_seed(args.seed + 1),
+               make_llm(policy, args, gen, kv_budget), train_set, test_set, files, kv_budget=kv_budget,
+               damp=grpo.CoherenceDamp(args.coherence_damp, args.coherence_window) if args.coherence_damp else None)
+
+
+def print_plan(run):
+    """One line of memory: weights, trainable weights with AdamW states, KV budget and the
+    rows it holds at the length limits, and the training micro-batch; a user sees at once
+    whether the run fits."""
+    import rollout
+    a, p = run.args, run.policy
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    weights = sum(t.numel() * t.element_size() for t in p.model.parameters())
+    trainable = sum(t.numel() for n in p.names for t in p.parameters_of(n))
+    per_tok = rollout.kv_bytes_per_token(p.model)
+    row = (a.max_prompt_tokens or 2 * a.max_new_tokens) + a.max_new_tokens
+    cfg = p.model.config
+    logits = a.token_budget * cfg.vocab_size * 2 * next(p.model.parameters()).element_size()
+    acts = a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * next(p.model.parameters()).element_size()
+    print(f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
+          f"{gib(16 * trainable)} | KV budget {gib(run.kv_budget)} holds {run.kv_budget // (per_tok * row)} rows of "
+          f"{row} tokens ({per_tok / 1024:.0f} KiB a token) | micro-batch {a.token_budget} tokens: logits + grad "
+          f"{gib(logits)}, layer inputs {gib(acts)}{' (checkpointed)' if p.checkpointing else ' + every activation'}")
+
+
+def open_run_folder(run):
+    """Resume from the newest complete checkpoint, or start the run folder afresh."""
+    import torch
+    args = run.args
+    if not os.path.isdir(args.out):
+        run.created.append(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    ck, step = find_checkpoint(args.out) if args.resume else (None, None)
+    if ck is not None:
+        run.policy.load_adapters(ck)
+        st = torch.load(os.path.join(ck, "state.pt"), weights_only=False)
+        for k in run.optimizers:
+            run.optimizers[k].load_state_dict(st["optimizers"][k])
+            run.schedulers[k].load_state_dict(st["schedulers"][k])
+        run.gen.set_state(st["gen"])
+        run.shuffle.set_state(st["shuffle"])
+        if run.damp is not None:
+            run.damp.load_state_dict(st["damp"], device=run.policy.model.device)
+        run.start, run.best = step, st["best"]
+        for f in run.files.values():
+            truncate_jsonl(f, step)
+        accs = [r["acc"] for r in _records(run.files["eval"])]
+        run.last_acc = accs[-1] if accs else None
+        print(f"resumed {args.out} at step {step} from {os.path.basename(ck)}")
+    elif args.resume:
+        print(f"resume: {args.out} has no complete checkpoint; starting it over")
+        for f in run.files.values():
+            truncate_jsonl(f, -1)
+    path = os.path.join(args.out, "config.json")
+    if not os.path.isfile(path):
+        run.created.append(path)
+    with open(path, "w") as f:
+        json.dump(vars(args), f, indent=2)
+    print("config: " + json.dumps(vars(args)))
+
+
+def _records(path):
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def checkpoint(run, step, name="ckpt-last"):
+    state = {"step": step, "best": run.best, "gen": run.gen.get_state(), "shuffle": run.shuffle.get_state()}
+    if run.damp is not None:
+        state["damp"] = run.damp.state_dict()
+    save_checkpoint(run.policy, run.optimizers, run.schedulers, state, os.path.join(run.args.out, name))
+
+
+# ----------------------------------------------------------------------------- evaluation and logs
 
 def evaluate(llm, args, problems, step):
     """pass@1 of the workflow on the held-out problems, with per-role parse and length stats."""
@@ -198,6 +471,22 @@ def evaluate(llm, args, problems, step):
             "code_block_rate": {r: q.get("code_block_rate", 0.0) for r, q in roles.items()}}
 
 
+def run_eval(run, step):
+    """Evaluate, log, and keep ckpt-best (the earliest step at the best accuracy, step 0 too)."""
+    import torch
+    # a generator of its own, so evaluations never shift the training samples
+    gen = torch.Generator(run.gen.device).manual_seed(10_000 + step)
+    rec = evaluate(make_llm(run.policy, run.args, gen, run.kv_budget), run.args, run.test_set, step)
+    log_jsonl(run.files["eval"], rec)
+    if run.tracker is not None:
+        run.tracker.log(rec, step, prefix="eval")
+    run.last_acc = rec["acc"]
+    if rec["acc"] > run.best:
+        run.best = rec["acc"]
+        checkpoint(run, step, "ckpt-best")
+    return rec["acc"]
+
+
 def log_transcripts(path, step, episodes, samples):
     """Every call of a few episodes, with its reward and advantage."""
     adv = {(s.problem_id, s.rollout, s.call): s.advantage for s in samples}
@@ -208,174 +497,137 @@ def log_transcripts(path, step, episodes, samples):
                              "reward": e.reward, "advantage": adv.get((e.problem_id, e.rollout, i))})
 
 
+def step_record(run, step, episodes, stats, times):
+    """The metrics.jsonl object of one step."""
+    roles = {r: sum(c.role == r for e in episodes for c in e.calls) for r in run.policy.roles}
+    for r, q in stats["roles"].items():
+        q["fallback_rate"] = sum(e.fallbacks.get(r, 0) for e in episodes) / max(1, roles.get(r, 0))
+    n_tokens = sum(len(c.completion_ids) for e in episodes for c in e.calls)
+    return {"step": step, "reward": sum(e.reward for e in episodes) / len(episodes),
+            "lr": run.schedulers[run.policy.names[0]].get_last_lr()[0], **stats,
+            "time": {"rollout": times[1] - times[0], "score": times[2] - times[1],
+                     "update": times[3] - times[2], "step": time.time() - times[0]},
+            "tokens_per_s": n_tokens / max(times[1] - times[0], 1e-9)}
+
+
 def step_line(step, steps, m, last_acc):
     roles = m["roles"]
     short = {r: r[:3] for r in roles}
-    fmt = lambda key, f: " ".join(f"{short[r]} {roles[r].get(key, 0):{f}}" for r in roles)
+    fmt = lambda key, f: " ".join(f"{short[r]} {roles[r].get(key, 0):{f}}" for r in roles)  # noqa: E731
     acc = "  -  " if last_acc is None else f"{last_acc:.3f}"
     return (f"step {step:4d}/{steps} | reward {m['reward']:.3f} | eval {acc} | len {fmt('len', '.1f')} | "
             f"clip {max((q.get('clip_frac', 0) for q in roles.values()), default=0):.3f} | "
             f"gnorm {fmt('grad_norm', '.3f')} | {m['tokens_per_s']:.0f} tok/s | {m['time']['step']:.1f}s")
 
 
-def fail(msg):
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
+def every(n, step):
+    """True every n steps; n = 0 means never."""
+    return bool(n) and step % n == 0
+
+
+@contextlib.contextmanager
+def interrupts():
+    """A list that gets a signal number on Ctrl-C or SIGTERM: the loop finishes its step, saves
+    and exits. A second signal raises KeyboardInterrupt at once."""
+    from tqdm import tqdm
+    stop = []
+
+    def on_signal(signum, frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+        tqdm.write("interrupt: finishing this step, then saving (Ctrl-C again to abort without saving)")
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def first_eval(run):
+    """The untrained workflow at step 0. Interrupted, it leaves no trace of the run, so the
+    same command starts it again."""
+    try:
+        acc = run_eval(run, 0)
+    except KeyboardInterrupt:
+        # only this attempt wrote the logs (the run is at step 0); remove them and what it made
+        for path in [*run.files.values(), os.path.join(run.args.out, "ckpt-best"), *reversed(run.created)]:
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.isfile(path):
+                os.remove(path)
+        print("interrupted during the step-0 evaluation: nothing saved; run the same command to start again",
+              file=sys.stderr)
+        sys.exit(130)
+    print(f"step    0 | eval {acc:.3f} (untrained workflow, {len(run.test_set)} problems)")
 
 
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None):
     args = parse_args(argv)
-    import torch
     from tqdm import tqdm
 
     import grpo
-    import policies
     import rewards
     import rollout
-    import tasks
-    import workflows
 
-    # --- set up: model, roles, data, optimizers
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    torch.manual_seed(args.seed)
     try:
-        kind = tasks.task_kind(args.data)
-        if kind != args.task:
-            raise ValueError(f"--data {args.data} is a {kind} data set but --task is {args.task}")
-        train_set = tasks.load_task(args.data, "train", seed=args.seed)
-        eval_data = args.eval_data or args.data
-        if tasks.task_kind(eval_data) != args.task:
-            raise ValueError(f"--eval-data {eval_data} is not a {args.task} data set")
-        test_set = tasks.load_task(eval_data, "test")
-        if args.eval_problems and args.eval_problems < len(test_set):  # a fixed subset: seed 0
-            test_set = tasks.load_task(eval_data, "test", n=args.eval_problems, seed=0)
-        model, tok = policies.load(args.scale, device, dtype, toy_task=args.task)
-    except (ValueError, RuntimeError, OSError, ImportError) as e:
-        fail(str(e))
-    if not train_set or not test_set:
-        fail(f"--data {args.data}: empty train or test split")
-    if args.data == (args.eval_data or args.data) and args.data.endswith(".jsonl"):
-        print(f"warning: --data {args.data} is a file, so evaluation runs on the training problems; "
-              "pass --eval-data FILE for a held-out set", file=sys.stderr)
-    if args.problems_per_step > len(train_set):
-        fail(f"--problems-per-step {args.problems_per_step} is more than the {len(train_set)} training problems")
-    roles = workflows.ROLES[args.workflow]
-    policy = policies.Policy(model, tok, roles, args.sharing, args.isolation, args.lora_rank, args.lora_alpha)
-    optimizers, schedulers = grpo.make_optimizers(policy, args.lr, args.warmup_steps, args.steps,
-                                                  weight_decay=args.weight_decay)
-    gen = torch.Generator(device).manual_seed(args.seed)           # rollout sampling
-    shuffle = torch.Generator().manual_seed(args.seed + 1)           # mini-batch shuffling
-    llm = rollout.make_llm(policy, temperature=args.temperature, top_p=args.top_p,
-                           max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                           generator=gen, max_rows=args.max_rows)
-
-    os.makedirs(args.out, exist_ok=True)
-    files = {k: os.path.join(args.out, f"{k}.jsonl") for k in ("metrics", "eval", "samples")}
-    start, best, last_acc = 0, -1.0, None
-    if args.resume and os.path.isdir(os.path.join(args.out, "ckpt-last")):
-        ck = os.path.join(args.out, "ckpt-last")
-        policy.load_adapters(ck)
-        st = torch.load(os.path.join(ck, "state.pt"), weights_only=False)
-        for k in optimizers:
-            optimizers[k].load_state_dict(st["optimizers"][k])
-            schedulers[k].load_state_dict(st["schedulers"][k])
-        gen.set_state(st["gen"])
-        shuffle.set_state(st["shuffle"])
-        start, best = st["step"], st["best"]
-        for f in files.values():
-            truncate_jsonl(f, start)
-        if os.path.isfile(files["eval"]):  # the step lines show the last evaluation until the next
-            accs = [json.loads(line)["acc"] for line in open(files["eval"]) if line.strip()]
-            last_acc = accs[-1] if accs else None
-        print(f"resumed {args.out} at step {start}")
-    elif args.resume:  # stopped before its first checkpoint: start over in the same folder
-        for f in files.values():
-            truncate_jsonl(f, -1)
-    with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(vars(args), f, indent=2)
-    print("config: " + json.dumps(vars(args)))
-
-    def checkpoint(step, name="ckpt-last"):
-        save_checkpoint(policy, optimizers, schedulers,
-                        {"step": step, "best": best, "gen": gen.get_state(), "shuffle": shuffle.get_state()},
-                        os.path.join(args.out, name))
-
-    def run_eval(step):
-        # a generator of its own, so evaluations never shift the training samples
-        eval_llm = rollout.make_llm(policy, temperature=args.temperature, top_p=args.top_p,
-                                    max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                                    generator=torch.Generator(device).manual_seed(10_000 + step),
-                                    max_rows=args.max_rows)
-        rec = evaluate(eval_llm, args, test_set, step)
-        log_jsonl(files["eval"], rec)
-        return rec["acc"]
-
-    if start == 0:
-        last_acc = run_eval(0)
-        print(f"step    0 | eval {last_acc:.3f} (untrained workflow, {len(test_set)} problems)")
-    # Ctrl-C: finish the step in progress, save, exit (a second Ctrl-C stops at once)
-    stop = []
-
-    def on_sigint(signum, frame):
-        if stop:
-            raise KeyboardInterrupt
-        stop.append(signum)
-        tqdm.write("interrupt: finishing this step, then saving (Ctrl-C again to abort without saving)")
-    signal.signal(signal.SIGINT, on_sigint)
-
-    bar = tqdm(range(start + 1, args.steps + 1), desc="train", disable=args.quiet, initial=start, total=args.steps)
-    for step in bar:
-        t0 = time.time()
-        # 1. problems of this step: drawn from a generator seeded by (seed, step) so a resumed
-        #    run sees the same ones
-        batch = random.Random(args.seed * 1_000_003 + step).sample(train_set, args.problems_per_step)
-        # 2. rollouts: every problem G times through the workflow
-        episodes = rollout.run_episodes(llm, args.workflow, batch, args.group_size, args.task)
-        t1 = time.time()
-        # 3. reward: grade each final answer, copy it to every call of the episode
-        for e, r in zip(episodes, rewards.score([e.final_text for e in episodes], [e.problem for e in episodes], args.task)):
-            e.reward = float(r)
-        t2 = time.time()
-        # 4. advantages grouped by (problem, slot), then one update per role's optimizer
-        samples = grpo.samples_from_episodes(episodes, group_by=args.adv_group)
-        stats = grpo.update(policy, optimizers, schedulers, samples, temperature=args.temperature,
-                            mini_batch=args.mini_batch, clip_low=args.clip_low, clip_high=args.clip_high,
-                            clip_c=args.clip_c, loss_norm=args.loss_norm, kl_coef=args.kl_coef,
-                            kl_coef_role=args.kl_coef_role, max_grad_norm=args.max_grad_norm,
-                            token_budget=args.token_budget, generator=shuffle)
-        t3 = time.time()
-        # 5. log
-        n_tokens = sum(len(c.completion_ids) for e in episodes for c in e.calls)
-        calls_per_role = {r: sum(c.role == r for e in episodes for c in e.calls) for r in roles}
-        for r, q in stats["roles"].items():
-            q["fallback_rate"] = sum(e.fallbacks.get(r, 0) for e in episodes) / max(1, calls_per_role.get(r, 0))
-        m = {"step": step, "reward": sum(e.reward for e in episodes) / len(episodes),
-             "lr": schedulers[policy.names[0]].get_last_lr()[0], **stats,
-             "time": {"rollout": t1 - t0, "score": t2 - t1, "update": t3 - t2, "step": time.time() - t0},
-             "tokens_per_s": n_tokens / max(t1 - t0, 1e-9)}
-        log_jsonl(files["metrics"], m)
-        if step % args.samples_every == 0 or step == 1:
-            log_transcripts(files["samples"], step, episodes[:2], samples)
-        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-            last_acc = run_eval(step)
-            if last_acc > best:
-                best = last_acc
-                checkpoint(step, "ckpt-best")
-        if step % args.save_every == 0 or step == args.steps:
-            checkpoint(step)
-        bar.set_postfix(reward=f"{m['reward']:.3f}", acc="-" if last_acc is None else f"{last_acc:.3f}")
-        (print if args.quiet else tqdm.write)(step_line(step, args.steps, m, last_acc))
-        if stop:
-            checkpoint(step)
-            bar.close()
-            print(f"interrupted: saved {args.out}/ckpt-last at step {step}; continue with --resume {args.out}")
-            sys.exit(130)
+        run = setup(args)
+        print_plan(run)
+        open_run_folder(run)
+    except KeyboardInterrupt:
+        print("interrupted while setting up: nothing to save", file=sys.stderr)
+        sys.exit(130)
+    if args.log_to != "none":
+        import tracking
+        run.tracker = tracking.open_tracker(args.log_to, args.out, vars(args), resume=bool(args.resume))
+    if run.start == 0:
+        first_eval(run)
+    bar = tqdm(range(run.start + 1, args.steps + 1), desc="train", disable=args.quiet,
+               initial=run.start, total=args.steps)
+    with interrupts() as stop:
+        for step in bar:
+            t0 = time.time()
+            # 1. problems of this step, the same ones whenever the run is resumed
+            batch = random.Random(args.seed * 1_000_003 + step).sample(run.train_set, args.problems_per_step)
+            # 2. rollouts: every problem G times through the workflow
+            episodes = rollout.run_episodes(run.llm, args.workflow, batch, args.group_size, args.task)
+            t1 = time.time()
+            # 3. reward: grade each final answer, copy it to every call of the episode
+            for e, r in zip(episodes, rewards.score([e.final_text for e in episodes], [e.problem for e in episodes], args.task)):
+                e.reward = float(r)
+            t2 = time.time()
+            # 4. advantages grouped by (problem, slot), then one update per role's optimizer
+            samples = grpo.samples_from_episodes(episodes, group_by=args.adv_group)
+            stats = grpo.update(run.policy, run.optimizers, run.schedulers, samples, temperature=args.temperature,
+                                mini_batch=args.mini_batch, clip_low=args.clip_low, clip_high=args.clip_high,
+                                clip_c=args.clip_c, loss_norm=args.loss_norm, kl_coef=args.kl_coef,
+                                kl_coef_role=args.kl_coef_role, max_grad_norm=args.max_grad_norm,
+                                token_budget=args.token_budget, generator=run.shuffle, damp=run.damp)
+            # 5. log, evaluate, save
+            m = step_record(run, step, episodes, stats, (t0, t1, t2, time.time()))
+            log_jsonl(run.files["metrics"], m)
+            if run.tracker is not None:
+                run.tracker.log(m, step)
+            if every(args.samples_every, step) or step == 1:
+                log_transcripts(run.files["samples"], step, episodes[:2], samples)
+            if every(args.eval_every, step) or step == args.steps:
+                run_eval(run, step)
+            if every(args.save_every, step) or step == args.steps or stop:
+                checkpoint(run, step)
+            bar.set_postfix(reward=f"{m['reward']:.3f}", acc="-" if run.last_acc is None else f"{run.last_acc:.3f}")
+            (print if args.quiet else tqdm.write)(step_line(step, args.steps, m, run.last_acc))
+            if stop:
+                bar.close()
+                print(f"interrupted: saved {args.out}/ckpt-last at step {step}; continue with --resume {args.out}")
+                sys.exit(130)
     bar.close()
+    if run.tracker is not None:
+        run.tracker.close()
     open(os.path.join(args.out, "done"), "w").close()
-    print(f"done: {args.out} (best eval {best:.3f}); analyse with `python eval.py --runs {args.out}`")
+    print(f"done: {args.out} (best eval {run.best:.3f}); analyse with `python eval.py --runs {args.out}`")
 
 
 if __name__ == "__main__":
