@@ -16,6 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rewards  # noqa: E402
+import sandbox  # noqa: E402
 import tasks  # noqa: E402
 
 
@@ -72,14 +73,14 @@ def toy_programs(n_problems: int, rollouts: int, rng: random.Random) -> tuple[li
 def main():
     rng = random.Random(0)
     def warm():  # one job per worker, so that every worker is started
-        n = rewards._pool("sandbox").size
+        n = sandbox.helper_count("sandbox")
         rewards.score([f"```python\ndef f():\n    return {k}\n```" for k in range(n)],
                       [{"tests": {"kind": "assert", "test": "assert f() >= 0", "entry_point": "f"}}] * n, "code")
-        return rewards.sandbox_info()
+        return sandbox.sandbox_info()
 
     info = timed("start sandbox workers (once per run)", warm)
     print(f"  layers: landlock ABI {info['landlock']}, seccomp {info['seccomp']}, root {info['root']}, "
-          f"{rewards._pool('sandbox').size} workers")
+          f"{sandbox.helper_count('sandbox')} workers")
     timed("start sympy helpers (once per run)", lambda: rewards.math_reward("\\boxed{\\sqrt{8}}", "2\\sqrt{2}"))
 
     try:
@@ -108,7 +109,7 @@ def main():
     print(f"  passed {sum(s):.0f}/256")
     texts, problems = toy_programs(32, 8, rng)
     timed("256 toy programs as 32 problems x 8 rollouts", lambda: rewards.score(texts, problems, "code"))
-    rewards.shutdown()
+    sandbox.shutdown()
 
 
 if __name__ == "__main__":
