@@ -83,6 +83,7 @@ Threat model
 Run: `python -m pytest tests/test_sandbox.py` (the sandbox needs Linux).
 """
 import atexit
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -681,11 +682,10 @@ def _probe(base: str, feats: dict) -> dict:
 def _enter_child(work: str, fds: list, feats: dict, job: dict, wpid: int) -> None:
     """In a freshly forked child: confine it. Any failure exits with _SETUP_FAILED."""
     import fcntl
-    import io
     import resource
     os.setsid()
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != wpid:
+    if os.getppid() != wpid:  # the worker died before the line above: nobody would kill us
         os._exit(_SETUP_FAILED)
     os.chdir(work)
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in fds]
@@ -695,6 +695,16 @@ def _enter_child(work: str, fds: list, feats: dict, job: dict, wpid: int) -> Non
     os.environ.clear()
     os.environ.update({"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "TZ": "UTC"})
     tempfile.tempdir = work  # the worker's cached choice would point outside the sandbox
+    _set_limits(job, feats)
+    if feats["landlock"]:
+        _install_landlock(feats["landlock"], work)
+    if feats["seccomp"]:  # last: from here on limits cannot be raised and nothing can fork
+        _install_seccomp(feats["arch"])
+    _own_stdio()
+
+
+def _set_limits(job: dict, feats: dict) -> None:
+    import resource
     cpu = int(math.ceil(job["timeout"])) + 1
     mem = int(job["memory_mb"]) << 20
     for res, val in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem),
@@ -703,10 +713,11 @@ def _enter_child(work: str, fds: list, feats: dict, job: dict, wpid: int) -> Non
         hard = resource.getrlimit(res)[1]
         val = val if hard == resource.RLIM_INFINITY else min(val, hard)
         resource.setrlimit(res, (val, val))
-    if feats["landlock"]:
-        _install_landlock(feats["landlock"], work)
-    if feats["seccomp"]:  # last: from here on limits cannot be raised and nothing can fork
-        _install_seccomp(feats["arch"])
+
+
+def _own_stdio() -> None:
+    """Python's streams on the child's fds 0-2 (the inherited objects wrap the worker's)."""
+    import io
     sys.stdin = sys.__stdin__ = io.open(0, "r", encoding="utf-8", errors="replace", closefd=False)
     sys.stdout = sys.__stdout__ = io.open(1, "w", encoding="utf-8", closefd=False)
     sys.stderr = sys.__stderr__ = io.open(2, "w", encoding="utf-8", errors="backslashreplace",
@@ -787,11 +798,7 @@ def _fork_child(work: str, fds: list, feats: dict, job: dict, serve: bool) -> in
 
 def _kill_and_reap(pid: int) -> None:
     """Kill the child's process group, reap it, then anything re-parented to the worker."""
-    for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-        try:
-            kill()
-        except OSError:
-            pass
+    _kill(pid)
     try:
         os.waitpid(pid, 0)
     except ChildProcessError:
@@ -803,12 +810,17 @@ def _kill_and_reap(pid: int) -> None:
             return
         if wpid == 0:
             for child in _children_of(os.getpid()):
-                for kill in (lambda: os.killpg(child, signal.SIGKILL), lambda: os.kill(child, signal.SIGKILL)):
-                    try:
-                        kill()
-                    except OSError:
-                        pass
+                _kill(child)
             time.sleep(0.01)
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL the process group led by `pid`, then `pid` itself (it may have left the group)."""
+    for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            kill()
+        except OSError:
+            pass
 
 
 def _children_of(ppid: int) -> list[int]:
@@ -879,7 +891,44 @@ def _remove_dir(d: str) -> None:
 # ----------------------------------------------------------------------------------------
 
 
+class _Fail(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class _Server:
+    """An untrusted child that has loaded the program and answers calls of its functions,
+    with the worker's ends of its pipes."""
+    pid: int
+    calls_w: int  # requests to the child (non-blocking)
+    replies_r: int  # the child's answers
+    log: int  # the child's stdout and stderr
+    jdir: str  # its job folder, removed afterwards
+    calls: int = 0  # how many calls the test made
+
+
 def _job_assert(job: dict, base: str, feats: dict) -> dict:
+    """Run the trusted test here, each call of a program function a round trip to the child."""
+    child, test = _fork_server(job, base, feats)
+    deadline = time.monotonic() + float(job["timeout"])
+    passed, reason = False, ""
+    try:
+        hello = _read_frame(child.replies_r, deadline, cap=1 << 20)
+        cap = int(job["out_cap"]) * 16
+        _run_test(test, hello, lambda name: _proxy(name, child, deadline, cap))
+        if child.calls == 0:
+            raise _Fail("the test never called the program")
+        passed = True
+    except BaseException as e:  # whatever the test or the program raised fails the job
+        reason = _failure_reason(e)
+    finally:
+        tail = _stop_server(child)
+    return {"passed": passed, "reason": reason[:500], "pid": child.pid, "log": tail}
+
+
+def _fork_server(job: dict, base: str, feats: dict) -> tuple[_Server, dict]:
+    """Fork the child that serves the program, then read the test frame: forking first keeps
+    the test out of the child's memory."""
     jdir, work = _new_job_dir(base)
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
@@ -887,7 +936,6 @@ def _job_assert(job: dict, base: str, feats: dict) -> dict:
     null = os.open(os.devnull, os.O_RDONLY)
     pid = None
     try:
-        # fork before reading the test: the child's memory never holds it
         pid = _fork_child(work, [null, log, log, req_r, resp_w], feats, job, serve=True)
     finally:
         test = _read_frame(0)  # always consume the second frame, even if the fork failed
@@ -898,61 +946,61 @@ def _job_assert(job: dict, base: str, feats: dict) -> dict:
                 os.close(fd)
             _remove_dir(jdir)
     os.set_blocking(req_w, False)
-    deadline = time.monotonic() + float(job["timeout"])
-    calls, passed, reason = [0], False, ""
-
-    def proxy(name):
-        def call(*args, **kwargs):
-            calls[0] += 1
-            _write_frame(req_w, {"call": name, "args": _enc(list(args)), "kwargs": _enc(kwargs)}, deadline)
-            reply = _read_frame(resp_r, deadline, cap=int(job["out_cap"]) * 16)
-            if type(reply) is dict and "ok" in reply:
-                return _dec(reply["ok"])
-            if type(reply) is dict and "raise" in reply:
-                raise _rebuild_exception(reply)
-            raise ValueError("malformed reply from the sandbox")
-        call.__name__ = call.__qualname__ = name
-        return call
-
-    try:
-        hello = _read_frame(resp_r, deadline, cap=1 << 20)
-        names = hello.get("loaded") if type(hello) is dict else None
-        if type(names) is not list or not all(type(n) is str for n in names):
-            raise _Fail(f"program failed to load: {str(hello.get('error') if type(hello) is dict else '')[:300]}")
-        entry = test.get("entry_point")
-        if entry and entry not in names:
-            raise _Fail(f"the program does not define {entry}")
-        g = {"__name__": "__check__"}
-        g.update({n: proxy(n) for n in names})
-        exec(compile(test["test"], "test.py", "exec"), g)
-        if entry and callable(g.get("check")):
-            g[entry] = proxy(entry)  # the test may also call the function by name (HumanEval/33)
-            g["check"](g[entry])
-        if calls[0] == 0:
-            raise _Fail("the test never called the program")
-        passed = True
-    except _Fail as e:
-        reason = str(e)
-    except TimeoutError:
-        reason = "timeout"
-    except (EOFError, BrokenPipeError):
-        reason = "the program exited or crashed"
-    except AssertionError as e:
-        reason = f"assertion failed {e}".strip()
-    except BaseException as e:
-        reason = f"{type(e).__name__}: {e}"[:500]
-    finally:
-        os.close(req_w)
-        _kill_and_reap(pid)
-        os.close(resp_r)
-        tail = _tail(log)
-        os.close(log)
-        _remove_dir(jdir)
-    return {"passed": passed, "reason": reason[:500], "pid": pid, "log": tail}
+    return _Server(pid, req_w, resp_r, log, jdir), test
 
 
-class _Fail(Exception):
-    pass
+def _proxy(name: str, child: _Server, deadline: float, cap: int):
+    """A stand-in for the program's function `name` that forwards each call to the child."""
+    def call(*args, **kwargs):
+        child.calls += 1
+        _write_frame(child.calls_w, {"call": name, "args": _enc(list(args)), "kwargs": _enc(kwargs)}, deadline)
+        reply = _read_frame(child.replies_r, deadline, cap=cap)
+        if type(reply) is dict and "ok" in reply:
+            return _dec(reply["ok"])
+        if type(reply) is dict and "raise" in reply:
+            raise _rebuild_exception(reply)
+        raise ValueError("malformed reply from the sandbox")
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def _run_test(test: dict, hello, proxy) -> None:
+    """Run the trusted test code against proxies of the functions the program loaded."""
+    names = hello.get("loaded") if type(hello) is dict else None
+    if type(names) is not list or not all(type(n) is str for n in names):
+        raise _Fail(f"program failed to load: {str(hello.get('error') if type(hello) is dict else '')[:300]}")
+    entry = test.get("entry_point")
+    if entry and entry not in names:
+        raise _Fail(f"the program does not define {entry}")
+    g = {"__name__": "__check__"}
+    g.update({n: proxy(n) for n in names})
+    exec(compile(test["test"], "test.py", "exec"), g)
+    if entry and callable(g.get("check")):
+        g[entry] = proxy(entry)  # the test may also call the function by name (HumanEval/33)
+        g["check"](g[entry])
+
+
+def _failure_reason(e: BaseException) -> str:
+    if isinstance(e, _Fail):
+        return str(e)
+    if isinstance(e, TimeoutError):
+        return "timeout"
+    if isinstance(e, (EOFError, BrokenPipeError)):
+        return "the program exited or crashed"
+    if isinstance(e, AssertionError):
+        return f"assertion failed {e}".strip()
+    return f"{type(e).__name__}: {e}"[:500]
+
+
+def _stop_server(child: _Server) -> str:
+    """Kill the child and clean up; returns the tail of its log."""
+    os.close(child.calls_w)
+    _kill_and_reap(child.pid)
+    os.close(child.replies_r)
+    tail = _tail(child.log)
+    os.close(child.log)
+    _remove_dir(child.jdir)
+    return tail
 
 
 def _normalize_stdout(s: str) -> str:
@@ -967,43 +1015,54 @@ def _digest(s: str) -> str:
 
 
 def _job_stdio(job: dict, base: str, feats: dict) -> dict:
+    """Run the program once per case, as __main__ with that stdin; stop at the first failure."""
     pids = []
     for k, case in enumerate(job["cases"]):
-        jdir, work = _new_job_dir(base)
-        inp = os.path.join(jdir, "stdin")
-        with open(inp, "w", encoding="utf-8", errors="surrogatepass") as f:
-            f.write(case["stdin"])
-        fin = os.open(inp, os.O_RDONLY)
-        fout = os.open(os.path.join(jdir, "stdout"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        ferr = os.open(os.path.join(jdir, "stderr"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        cap = int(case["cap"])
-        try:
-            pid = _fork_child(work, [fin, fout, ferr], feats, dict(job, out_cap=cap), serve=False)
-            pids.append(pid)
-            os.close(fin)
-            status = _wait_exit(pid, time.monotonic() + float(job["timeout"]))
-            _kill_and_reap(pid)
-            out = os.pread(fout, cap + 1, 0)
-            err = _tail(ferr)
-        finally:
-            os.close(fout)
-            os.close(ferr)
-            _remove_dir(jdir)
-        fail = None
-        if status is None:
-            fail = "timeout"
-        elif os.waitstatus_to_exitcode(status) == _SETUP_FAILED:
-            fail = "sandbox setup failed"
-        elif os.waitstatus_to_exitcode(status) != 0:
-            fail = f"exit status {os.waitstatus_to_exitcode(status)}"
-        elif len(out) > cap:
-            fail = "output too long"
-        elif _digest(out.decode("utf-8", "replace")) != case["digest"]:
-            fail = "wrong output"
+        pid, status, out, err = _run_case(job, case, base, feats)
+        pids.append(pid)
+        fail = _case_failure(status, out, case)
         if fail:
             return {"passed": False, "reason": f"case {k}: {fail}", "pid": pid, "pids": pids, "log": err}
     return {"passed": bool(job["cases"]), "reason": "" if job["cases"] else "no cases", "pid": pids[-1] if pids else None,
             "pids": pids, "log": ""}
+
+
+def _run_case(job: dict, case: dict, base: str, feats: dict) -> tuple[int, int | None, bytes, str]:
+    """(child pid, its exit status or None on timeout, its stdout up to cap + 1 bytes, stderr tail)."""
+    jdir, work = _new_job_dir(base)
+    inp = os.path.join(jdir, "stdin")
+    with open(inp, "w", encoding="utf-8", errors="surrogatepass") as f:
+        f.write(case["stdin"])
+    fin = os.open(inp, os.O_RDONLY)
+    fout = os.open(os.path.join(jdir, "stdout"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    ferr = os.open(os.path.join(jdir, "stderr"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    cap = int(case["cap"])
+    try:
+        pid = _fork_child(work, [fin, fout, ferr], feats, dict(job, out_cap=cap), serve=False)
+        os.close(fin)
+        status = _wait_exit(pid, time.monotonic() + float(job["timeout"]))
+        _kill_and_reap(pid)
+        out = os.pread(fout, cap + 1, 0)  # one byte more than allowed tells "too long"
+        err = _tail(ferr)
+    finally:
+        os.close(fout)
+        os.close(ferr)
+        _remove_dir(jdir)
+    return pid, status, out, err
+
+
+def _case_failure(status: int | None, out: bytes, case: dict) -> str | None:
+    if status is None:
+        return "timeout"
+    if os.waitstatus_to_exitcode(status) == _SETUP_FAILED:
+        return "sandbox setup failed"
+    if os.waitstatus_to_exitcode(status) != 0:
+        return f"exit status {os.waitstatus_to_exitcode(status)}"
+    if len(out) > int(case["cap"]):
+        return "output too long"
+    if _digest(out.decode("utf-8", "replace")) != case["digest"]:
+        return "wrong output"
+    return None
 
 
 # ----------------------------------------------------------------------------------------
