@@ -243,3 +243,30 @@ def test_humaneval_canonical_solutions_pass_and_planted_bugs_fail():
     bad = rewards.score([fenced(prog) for prog in planted], problems, "code")
     passed = [p["id"] for p, s in zip(problems, bad) if s != 0.0]
     assert passed == [], passed
+
+
+# ----------------------------------------------------------------------------------------
+# bench/rewards.py
+# ----------------------------------------------------------------------------------------
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "rewards.py")
+
+
+def test_bench_help_prints_help_and_exits():
+    import subprocess
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, BENCH, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout and "--math-pairs" in out.stdout
+    assert "start sandbox workers" not in out.stdout  # the benchmark itself did not run
+    assert time.perf_counter() - t < 20
+
+
+@linux_only
+def test_bench_runs_with_tiny_sizes():
+    import subprocess
+    args = ["--math-pairs", "20", "--toy-problems", "2", "--rollouts", "2", "--skip-humaneval"]
+    out = subprocess.run([sys.executable, BENCH, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "agree with the expected verdict: 20/20" in out.stdout
+    assert "4 toy programs as 2 problems x 2 rollouts" in out.stdout
