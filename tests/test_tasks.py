@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rewards  # noqa: E402
+import sandbox  # noqa: E402
 import tasks  # noqa: E402
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the code sandbox needs Linux")
@@ -247,8 +248,8 @@ def test_hub_mbpp_loader_builds_runnable_tests(monkeypatch):
     (rec,) = tasks.load_task("mbpp", "test")
     assert rec["id"] == "mbpp-11" and rec["tests"]["entry_point"] == "remove_Occ"
     assert 'remove_Occ("hello","l")' in rec["prompt"]
-    assert rewards.run_program(row["code"], rec["tests"])["passed"] is True
-    assert rewards.run_program("def remove_Occ(s, ch):\n    return s\n", rec["tests"])["passed"] is False
+    assert sandbox.run_program(row["code"], rec["tests"])["passed"] is True
+    assert sandbox.run_program("def remove_Occ(s, ch):\n    return s\n", rec["tests"])["passed"] is False
 
 
 @linux_only
@@ -265,9 +266,9 @@ def test_hub_deepcoder_loader_stdio_and_function_tests(monkeypatch):
     assert len(s["tests"]["cases"]) == 15  # at most 15, the longest inputs
     assert {c["stdin"] for c in s["tests"]["cases"]} >= {"10\n", "19\n"}
     assert "standard input" in s["prompt"] and "def total" in f["prompt"]
-    assert rewards.run_program("n = int(input())\nprint(n * n)\n", s["tests"])["passed"] is True
-    assert rewards.run_program("n = int(input())\nprint(n + n)\n", s["tests"])["passed"] is False
-    assert rewards.run_program("def total(xs, n):\n    return sum(xs)\n", f["tests"])["passed"] is True
-    assert rewards.run_program("def total(xs, n):\n    return [sum(xs)]\n", f["tests"])["passed"] is True
-    assert rewards.run_program("def total(xs, n):\n    return n\n", f["tests"])["passed"] is False
+    assert sandbox.run_program("n = int(input())\nprint(n * n)\n", s["tests"])["passed"] is True
+    assert sandbox.run_program("n = int(input())\nprint(n + n)\n", s["tests"])["passed"] is False
+    assert sandbox.run_program("def total(xs, n):\n    return sum(xs)\n", f["tests"])["passed"] is True
+    assert sandbox.run_program("def total(xs, n):\n    return [sum(xs)]\n", f["tests"])["passed"] is True
+    assert sandbox.run_program("def total(xs, n):\n    return n\n", f["tests"])["passed"] is False
     assert tasks.load_task("deepcoder", "train") == []  # 2 rows: all of them are the test split
