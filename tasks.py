@@ -47,7 +47,9 @@ sorted by id, unless the hub's own `datasets` method is named):
                         with the longest inputs are kept (as the paper's backend did);
                         function-call tests become an assert test whose check() accepts either
                         the expected value or its one-element list.
-    PATH.jsonl          either kind: one record per line, used whole for either split.
+    PATH.jsonl          either kind: one record per line, used whole for either split; `source`
+                        may be left out (the file's name) and a numeric id or answer is turned
+                        into its string.
 Column names of the hub data sets are taken from their dataset cards and loaders; a row
 missing one gives a ValueError naming the data set and the row.
 
@@ -201,10 +203,23 @@ def _read_jsonl(path: str, limit: int | None = None) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} line {line_no}: not valid JSON ({e.msg})") from None
             rid = rec.get("id") if isinstance(rec, dict) else None
-            records.append(validate(rec, f"{path} line {line_no} (id {rid!r})"))
+            records.append(validate(_from_user(rec, path), f"{path} line {line_no} (id {rid!r})"))
             if limit is not None and len(records) >= limit:
                 break
     return records
+
+
+def _from_user(rec, path: str):
+    """A hand-written record as the README documents it: `source` may be left out (the file's
+    name), and a numeric id or answer (5, 2.5) becomes its string."""
+    if not isinstance(rec, dict):
+        return rec
+    rec = dict(rec)
+    rec.setdefault("source", os.path.splitext(os.path.basename(path))[0])
+    for key in ("id", "answer"):
+        if isinstance(rec.get(key), (int, float)) and not isinstance(rec[key], bool):
+            rec[key] = str(rec[key])
+    return rec
 
 
 def _package_dir(module: str, pip_name: str, task: str) -> str:

@@ -16,7 +16,7 @@ learn on a laptop CPU through exactly the code path of the real models:
     line, then `\\boxed{answer}` (2,916 problems; few enough arithmetic facts that the tiny
     model learns most of them in the warm start);
   * code: "f(x): add 2, times 3" -> a one-line `def f(x): return (x+2)*3`, checked by assert
-    tests through the real sandbox of rewards.py.
+    tests through the real sandbox (sandbox.py).
   A problem is in the test split when an md5 of its text falls under TEST_SHARE: fixed,
   disjoint splits (609 math test problems, 20%; 2,134 code, 10%).
 - Warm start (`model_folder(task)`): supervised training from scratch on procedurally written

@@ -276,25 +276,42 @@ def save_checkpoint(policy, optimizers, schedulers, state, folder):
                 "schedulers": {k: s.state_dict() for k, s in schedulers.items()}, **state},
                os.path.join(tmp, "state.pt.part"))
     os.replace(os.path.join(tmp, "state.pt.part"), os.path.join(tmp, "state.pt"))
+    publish(tmp, folder)
+
+
+def publish(new, folder):
+    """Put the complete checkpoint `new` at `folder`: the old one aside, the new one in, the
+    old one deleted. Killed at any point, `folder` or FOLDER.old still holds a checkpoint."""
+    old = folder + ".old"
     if os.path.isdir(folder):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(folder, old)
-    os.replace(tmp, folder)
+    os.replace(new, folder)
     shutil.rmtree(old, ignore_errors=True)
 
 
 def find_checkpoint(out, name="ckpt-last"):
-    """(folder, step) of the newest complete checkpoint among NAME, NAME.tmp, NAME.old (a
-    save killed midway leaves one of them), or (None, None)."""
+    """(folder, step) of the newest complete checkpoint among NAME, NAME.tmp and NAME.old (a
+    save killed midway leaves one of them), published as NAME; (None, None) if there is none."""
     import torch
-    best = (None, None)
-    for folder in (os.path.join(out, name + s) for s in ("", ".tmp", ".old")):
-        path = os.path.join(folder, "state.pt")
-        if os.path.isfile(path):
-            step = torch.load(path, weights_only=False)["step"]
+    target, best = os.path.join(out, name), (None, None)
+    for folder in (target, target + ".tmp", target + ".old"):  # on a tie the first wins
+        if os.path.isfile(os.path.join(folder, "state.pt")):   # state.pt is written last
+            step = torch.load(os.path.join(folder, "state.pt"), weights_only=False)["step"]
             if best[1] is None or step > best[1]:
                 best = (folder, step)
-    return best
+    folder, step = best
+    if folder is not None and folder != target:  # finish the save that was interrupted
+        print(f"resume: {name} was left mid-save; using {os.path.basename(folder)} (step {step})")
+        if os.path.isdir(target) and not os.path.isfile(os.path.join(target, "state.pt")):
+            shutil.rmtree(target)                               # an incomplete copy
+        if folder.endswith(".tmp"):
+            publish(folder, target)
+        else:                                                   # .old: nothing newer exists
+            os.replace(folder, target)
+    for suffix in (".tmp", ".old"):
+        shutil.rmtree(target + suffix, ignore_errors=True)
+    return (target, step) if folder is not None else (None, None)
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -414,6 +431,8 @@ def open_run_folder(run):
         run.created.append(args.out)
     os.makedirs(args.out, exist_ok=True)
     ck, step = find_checkpoint(args.out) if args.resume else (None, None)
+    if args.resume:
+        find_checkpoint(args.out, "ckpt-best")
     if ck is not None:
         run.policy.load_adapters(ck)
         st = torch.load(os.path.join(ck, "state.pt"), weights_only=False)
@@ -611,7 +630,7 @@ def main(argv=None):
             log_jsonl(run.files["metrics"], m)
             if run.tracker is not None:
                 run.tracker.log(m, step)
-            if every(args.samples_every, step) or step == 1:
+            if every(args.samples_every, step) or (step == 1 and args.samples_every):
                 log_transcripts(run.files["samples"], step, episodes[:2], samples)
             if every(args.eval_every, step) or step == args.steps:
                 run_eval(run, step)

@@ -331,3 +331,142 @@ def test_step_diagnostics_sum_over_mini_batches():
     for slot in ("generator0", "aggregator"):
         assert each["slots"][slot]["grad_norm"] == pytest.approx(len(S) * one["slots"][slot]["grad_norm"], rel=1e-4)
     assert each["cos_roles"]["generator|aggregator"] == pytest.approx(one["cos_roles"]["generator|aggregator"], abs=1e-4)
+
+
+# ----------------------------------------------------------------------------- skipping, step norms, damping
+
+def _voting_like(pol, seed=0):
+    """Generator slots on two problems (one of them with all-equal rewards: A = 0) and an
+    aggregator whose groups are half zero, as in a real step."""
+    rows = [("generator", f"generator{k}", [3 + p, 4, 5 + k], adv)
+            for p, adv in ((0, 0.0), (1, 1.0), (2, -1.0)) for k in range(3)]
+    rows += [("aggregator", "aggregator", [8, 9 + k], a) for k, a in enumerate((0.0, 0.7, -0.7, 0.0))]
+    return sampled(pol, rows, seed=seed)
+
+
+def record_applied(opts, params_of):
+    """Wrap each optimizer's step to record the flattened gradient it applies: {name: [vec]}."""
+    seen = {n: [] for n in opts}
+    for name, o in opts.items():
+        def step(*a, _real=o.step, _name=name, **k):
+            seen[_name].append(grpo.flat_grad(params_of(_name)).clone())
+            return _real(*a, **k)
+        o.step = step
+    return seen
+
+
+def _state(pol):
+    return {n: [p.detach().clone() for p in pol.parameters_of(n)] for n in pol.names}
+
+
+@pytest.mark.parametrize("sharing", ["shared", "isolated"])
+def test_skipping_zero_advantage_rows_changes_no_gradient_and_no_diagnostic(sharing):
+    outs, states, grads = [], [], []
+    for skip in (False, True):
+        pol = make_policy(("generator", "aggregator"), sharing)
+        S = _voting_like(pol)
+        opts, scheds = grpo.make_optimizers(pol, lr=1e-3, warmup_steps=0, total_steps=10)
+        seen = record_applied(opts, pol.parameters_of)
+        outs.append(grpo.update(pol, opts, scheds, S, temperature=TEMP, mini_batch=5, skip_zero=skip,
+                                kl_coef_role={"aggregator": 0.05}, generator=torch.Generator().manual_seed(0)))
+        states.append(_state(pol))
+        grads.append([v for n in sorted(seen) for v in seen[n]])
+    full, skipped = outs
+    assert skipped["roles"]["generator"]["skipped"] == 3 and full["roles"]["generator"]["skipped"] == 0
+    assert skipped["roles"]["aggregator"]["skipped"] == 0  # its KL term has a gradient at A = 0
+    assert len(grads[0]) == len(grads[1]) > 1
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-9)
+    for n in states[0]:
+        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(states[0][n], states[1][n]))
+    for role in ("generator", "aggregator"):
+        for key in ("grad_norm", "grad_share", "grad_norm_opt", "grad_norm_opt_max", "opt_steps"):
+            assert skipped["roles"][role][key] == pytest.approx(full["roles"][role][key], rel=1e-6)
+    for slot in full["slots"]:
+        assert skipped["slots"][slot]["grad_norm"] == pytest.approx(full["slots"][slot]["grad_norm"], rel=1e-6, abs=1e-12)
+    for key in ("coherence", "cos_roles"):
+        for k, v in full.get(key, {}).items():
+            assert skipped[key][k] == pytest.approx(v, rel=1e-6)
+    for role, pairs in full["slot_cos"].items():
+        for k, v in pairs.items():
+            assert skipped["slot_cos"][role][k] == pytest.approx(v, rel=1e-5)
+
+
+def test_per_optimizer_step_norm_is_the_norm_of_the_applied_gradient():
+    pol = make_policy(("generator", "aggregator"), "isolated")
+    S = _voting_like(pol)
+    opts, scheds = grpo.make_optimizers(pol, lr=1e-3, warmup_steps=0, total_steps=10)
+    seen = record_applied(opts, pol.parameters_of)
+    # no clipping, so the applied gradient is the pre-clip one
+    out = grpo.update(pol, opts, scheds, S, temperature=TEMP, mini_batch=3, max_grad_norm=0.0,
+                      generator=torch.Generator().manual_seed(1))
+    for role in ("generator", "aggregator"):
+        r, applied = out["roles"][role], [float(v.norm()) for v in seen[role]]
+        assert r["opt_steps"] == len(applied) > 1
+        assert r["grad_norm_opt"] == pytest.approx(sum(applied) / len(applied), rel=1e-5)
+        assert r["grad_norm_opt_max"] == pytest.approx(max(applied), rel=1e-5)
+
+
+def test_coherence_damp_lambda_zero_is_exactly_the_plain_update():
+    states = []
+    for damp in (None, grpo.CoherenceDamp({"generator": 0.0, "aggregator": 0.0}, window=3)):
+        pol = make_policy(("generator", "aggregator"), "shared")
+        S = _voting_like(pol)
+        opts, scheds = grpo.make_optimizers(pol, lr=1e-3, warmup_steps=0, total_steps=10)
+        for _ in range(2):
+            out = grpo.update(pol, opts, scheds, S, temperature=TEMP, mini_batch=4, damp=damp,
+                              generator=torch.Generator().manual_seed(2))
+        states.append(_state(pol))
+    assert all(torch.equal(a, b) for a, b in zip(states[0]["shared"], states[1]["shared"]))
+    assert out["roles"]["generator"]["damp_scale"] == 1.0 and "damp_cos" in out["roles"]["generator"]
+
+
+def test_coherence_damp_scales_a_repeated_gradient_by_one_minus_lambda():
+    d = grpo.CoherenceDamp({"generator": 0.4}, window=4)
+    g = torch.tensor([1.0, -2.0, 0.5])
+    assert d("generator", g.clone()) == (1.0, None)            # no history yet
+    scale, cos = d("generator", g.clone())
+    assert cos == pytest.approx(1.0) and scale == pytest.approx(0.6)
+    assert d("worker", g) == (1.0, None)                       # an undamped role
+    assert d("generator", -g)[0] == 1.0                        # opposite direction: no damping
+    # the EMA moved toward the scaled gradient: m = 0.75 g + 0.25 * 0.6 g after two steps
+    restored = grpo.CoherenceDamp({"generator": 0.4}, window=4)
+    restored.load_state_dict(d.state_dict())
+    assert torch.equal(restored.ema["generator"], d.ema["generator"])
+    # through the update: two steps with the same samples at lr 0 give the same gradient twice
+    pol = make_policy(("generator", "aggregator"), "isolated")
+    S = _voting_like(pol)
+    opts, scheds = grpo.make_optimizers(pol, lr=0.0, warmup_steps=0, total_steps=10)
+    damp = grpo.CoherenceDamp({"aggregator": 0.5}, window=2)
+    grpo.update(pol, opts, scheds, S, temperature=TEMP, mini_batch=len(S), damp=damp)
+    out = grpo.update(pol, opts, scheds, S, temperature=TEMP, mini_batch=len(S), damp=damp)
+    assert out["roles"]["aggregator"]["damp_scale"] == pytest.approx(0.5, abs=1e-5)
+    assert "damp_scale" not in out["roles"]["generator"]
+
+
+def test_a_step_with_no_gradient_has_no_dominant_role():
+    pol = make_policy(("generator", "aggregator"), "shared")
+    S = sampled(pol, [(r, s, p, 0.0) for r, s, p, _ in ROWS])  # every reward equal: A = 0
+    before = snapshot(pol.parameters_of("shared"))
+    opts, scheds = grpo.make_optimizers(pol, lr=1e-3, warmup_steps=0, total_steps=10)
+    out = grpo.update(pol, opts, scheds, S, temperature=TEMP)
+    assert "dominant_role" not in out
+    assert all(r["skipped"] == r["n"] and r["grad_norm"] == 0.0 for r in out["roles"].values())
+    assert not any(changed(before, pol.parameters_of("shared")))   # zero gradient, fresh AdamW
+
+
+def test_layer_checkpointing_gives_the_same_lora_gradients():
+    grads = []
+    for ckpt in (False, True):
+        pol = make_policy(("generator", "aggregator"), "shared")
+        if ckpt:
+            policies.checkpoint_layers(pol.model)
+        S = _voting_like(pol)
+        with torch.no_grad(), pol.using("shared") as m:
+            old, _ = grpo.sequence_logprobs(m, S, TEMP)
+        grpo.minibatch_gradients(pol, "shared", S, list(range(len(S))), old, [None] * len(S), temperature=TEMP,
+                                 clip_low=0.2, clip_high=0.28, clip_c=3.0, loss_norm="seq",
+                                 kl_of=lambda r: 0.0, token_budget=32)
+        grads.append(grpo.flat_grad(pol.parameters_of("shared")))
+    assert float(grads[0].norm()) > 0
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-8)

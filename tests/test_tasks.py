@@ -123,7 +123,7 @@ def test_jsonl_files(tmp_path):
     with pytest.raises(ValueError, match="line 2: not valid JSON"):
         tasks.load_task(str(broken))
     invalid = tmp_path / "invalid.jsonl"
-    invalid.write_text(json.dumps(GOOD_MATH) + "\n" + json.dumps({**GOOD_MATH, "id": "m9", "answer": 3}) + "\n")
+    invalid.write_text(json.dumps(GOOD_MATH) + "\n" + json.dumps({**GOOD_MATH, "id": "m9", "answer": ""}) + "\n")
     with pytest.raises(ValueError, match=r"line 2 \(id 'm9'\)"):
         tasks.load_task(str(invalid))
     with pytest.raises(ValueError, match="no such file"):
@@ -272,3 +272,27 @@ def test_hub_deepcoder_loader_stdio_and_function_tests(monkeypatch):
     assert sandbox.run_program("def total(xs, n):\n    return [sum(xs)]\n", f["tests"])["passed"] is True
     assert sandbox.run_program("def total(xs, n):\n    return n\n", f["tests"])["passed"] is False
     assert tasks.load_task("deepcoder", "train") == []  # 2 rows: all of them are the test split
+
+
+def test_hand_written_records_as_the_readme_documents_them(tmp_path):
+    """`source` may be left out and a numeric id or answer is accepted (README, "Your own data")."""
+    import re
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    blocks = re.findall(r"```jsonl\n(.*?)```", readme, re.S)
+    assert len(blocks) == 2, "README.md has a ```jsonl block of math records and one of code records"
+    path = tmp_path / "mine.jsonl"
+    for block, kind in zip(blocks, ("math", "code")):
+        path.write_text(block)
+        records = tasks.load_task(str(path))
+        assert tasks.task_kind(str(path)) == kind and len(records) == block.count("\n")
+        for r in records:
+            assert isinstance(r["id"], str) and r["source"] == "mine"
+            assert isinstance(r.get("answer", ""), str)
+    solutions = {"add": "def add(a, b):\n    return a + b\n", "echo": "s = input()\nprint(s)\nprint(s)\n"}
+    for r in records:  # the code examples are real tests: a right program passes them
+        assert rewards.code_reward(f"```python\n{solutions[r['id']]}```", r["tests"]) == 1.0
+    path.write_text('{"id": 7, "prompt": "2+3?", "answer": 5}\n{"id": "b", "prompt": "half of 5?", "answer": 2.5}\n')
+    assert [(r["id"], r["answer"]) for r in tasks.load_task(str(path))] == [("7", "5"), ("b", "2.5")]
+    path.write_text('{"id": "c", "prompt": "yes?", "answer": true}\n')
+    with pytest.raises(ValueError, match="answer"):
+        tasks.load_task(str(path))

@@ -202,3 +202,221 @@ def test_eval_cli_scores_a_trained_checkpoint(model_dir, tmp_path, capsys):
     assert res["quality"]["roles"]["generator"]["len_tokens"] <= 6
     with pytest.raises(SystemExit, match="no such file"):
         ev.main(["--workflow", "single", "--task", "math", "--scale", model_dir, "--data", str(tmp_path / "x.jsonl")])
+
+
+# ----------------------------------------------------------------------------- losing work
+
+SAVE_POINTS = ["state.pt", "old aside", "new in", "delete old"]
+
+
+@pytest.mark.parametrize("point", SAVE_POINTS)
+def test_a_kill_at_any_point_of_a_save_resumes_from_a_complete_checkpoint(model_dir, tmp_path, monkeypatch, capsys, point):
+    flags = ["--workflow", "single", "--save-every", "2", "--eval-every", "0"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    train.main(argv(model_dir, full, *flags, steps=3))
+    real_replace, real_rmtree, calls = os.replace, train.shutil.rmtree, []
+
+    def crash_at(kind):
+        def wrapped(*a, **k):
+            paths = " ".join(map(str, a))
+            if "ckpt-last" in paths:
+                calls.append(kind)
+                # step 2's save: 2 replaces (state.pt, new in); step 3's: state.pt, old aside, new in, rmtree old
+                order = [c for c in calls if c == "replace"]
+                n = {"state.pt": 3, "old aside": 4, "new in": 5}.get(point)
+                if kind == "replace" and len(order) == n or kind == "rmtree" and point == "delete old" \
+                        and len(order) == 5 and paths.endswith(".old"):
+                    raise RuntimeError(f"killed at {point}")
+            return (real_replace if kind == "replace" else real_rmtree)(*a, **k)
+        return wrapped
+    monkeypatch.setattr(os, "replace", crash_at("replace"))
+    monkeypatch.setattr(train.shutil, "rmtree", crash_at("rmtree"))
+    with pytest.raises(RuntimeError, match="killed at"):
+        train.main(argv(model_dir, cut, *flags, steps=3))
+    monkeypatch.undo()
+    assert [m["step"] for m in read_jsonl(cut / "metrics.jsonl")] == [1, 2, 3]
+    capsys.readouterr()
+    train.main(["--resume", str(cut), "--quiet"])
+    said = capsys.readouterr().out
+    assert "resumed" in said and (point == "delete old" or "mid-save" in said or point == "state.pt")
+    assert (cut / "done").exists() and sorted(os.listdir(cut)) == sorted(os.listdir(full))
+    assert torch.load(cut / "ckpt-last" / "state.pt", weights_only=False)["step"] == 3
+    for name in ("metrics", "eval"):
+        assert comparable(read_jsonl(cut / f"{name}.jsonl")) == comparable(read_jsonl(full / f"{name}.jsonl")), name
+
+
+def test_a_torn_last_line_is_dropped_on_resume(model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    flags = ["--workflow", "single", "--save-every", "1"]
+    train.main(argv(model_dir, out, *flags, steps=2))
+    os.remove(out / "done")
+    with open(out / "metrics.jsonl", "a") as f:   # a kill in the middle of step 3's append
+        f.write('{"step": 3, "reward": 0.5, "ro')
+    capsys.readouterr()
+    train.main(["--resume", str(out), "--steps", "3", "--quiet"])
+    assert "dropped a torn line metrics.jsonl:3" in capsys.readouterr().err
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_ctrl_c_in_the_step_0_evaluation_leaves_a_clean_state(model_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "evaluate", interrupted)
+    with pytest.raises(SystemExit) as e:
+        train.main(argv(model_dir, out))
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in line]
+    assert e.value.code == 130 and len(err) == 1 and "step-0 evaluation" in err[0]
+    assert not out.exists()
+    monkeypatch.undo()
+    train.main(argv(model_dir, out, steps=1))   # the same command starts again
+    assert (out / "done").exists()
+
+
+# ----------------------------------------------------------------------------- seeds and best
+
+def _adapter(folder):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(folder, "shared", "adapter_model.safetensors"))
+
+
+def test_a_fresh_toy_cache_and_a_cached_one_start_the_same_adapters(tmp_path, monkeypatch):
+    monkeypatch.setattr(toy, "CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(toy, "WARM", {**toy.WARM, "steps": 2, "batch": 4})
+    flags = ["--scale", "toy", "--workflow", "single", "--steps", "1", "--problems-per-step", "2",
+             "--group-size", "2", "--max-new-tokens", "4", "--eval-problems", "2", "--lr", "0", "--lora-rank", "2",
+             "--device", "cpu", "--quiet"]
+    train.main(flags + ["--out", str(tmp_path / "fresh")])           # builds the toy model
+    train.main(flags + ["--out", str(tmp_path / "cached")])          # loads it from the cache
+    train.main(flags + ["--out", str(tmp_path / "seed1"), "--seed", "1"])
+    a, b, c = (_adapter(tmp_path / n / "ckpt-last") for n in ("fresh", "cached", "seed1"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_best_counts_the_step_0_evaluation(model_dir, tmp_path, monkeypatch, capsys):
+    accs = iter([0.5, 0.2, 0.1])
+    real = train.evaluate
+
+    def fixed(llm, args, problems, step):
+        rec = real(llm, args, problems, step)
+        rec["acc"] = next(accs)
+        return rec
+    monkeypatch.setattr(train, "evaluate", fixed)
+    out = tmp_path / "run"
+    train.main(argv(model_dir, out, "--workflow", "single"))
+    assert torch.load(out / "ckpt-best" / "state.pt", weights_only=False)["step"] == 0
+    assert "best eval 0.500" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- flags
+
+def test_zero_means_never_for_samples_and_saves(model_dir, tmp_path):
+    out = tmp_path / "run"
+    train.main(argv(model_dir, out, "--workflow", "single", "--samples-every", "0", "--save-every", "0", steps=3))
+    assert not (out / "samples.jsonl").exists()
+    assert torch.load(out / "ckpt-last" / "state.pt", weights_only=False)["step"] == 3  # the final save
+
+
+def test_resume_says_which_given_flags_are_ignored(model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    train.main(argv(model_dir, out, "--workflow", "single", steps=1))
+    capsys.readouterr()
+    train.main(["--resume", str(out), "--lr", "5", "--steps", "2", "--workflow", "single", "--quiet"])
+    err = capsys.readouterr().err
+    assert "ignored: --lr 5.0 (saved 0.01)" in err and "--workflow" not in err and "--steps" not in err
+    assert json.load(open(out / "config.json"))["lr"] == 0.01
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_the_toy_model_refuses_real_data(capsys, tmp_path):
+    line = run_failing(capsys, ["--scale", "toy", "--task", "code", "--data", "humaneval", "--out", str(tmp_path / "r")])
+    assert "toy tasks" in line and "--scale" in line
+
+
+def test_messages_name_the_fix(capsys, tmp_path, monkeypatch):
+    line = run_failing(capsys, ["--scale", str(tmp_path / "missing"), "--out", str(tmp_path / "r")])
+    assert "no such folder" in line
+    import transformers
+
+    def offline(*a, **k):
+        raise OSError("We couldn't connect to 'https://huggingface.co'")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    data = tmp_path / "local.jsonl"
+    data.write_text('{"id": "a", "prompt": "1+1", "answer": "2"}\n')
+    line = run_failing(capsys, ["--scale", "0.6b", "--data", str(data), "--out", str(tmp_path / "r"), "--device", "cpu"])
+    assert "hf download Qwen/Qwen3-0.6B" in line and "huggingface-cli" not in line
+
+
+def test_full_isolation_has_its_own_default_lr(tmp_path):
+    toy_lora = train.parse_args(["--out", str(tmp_path / "a")])
+    toy_full = train.parse_args(["--isolation", "full", "--out", str(tmp_path / "b")])
+    assert (toy_lora.lr, toy_full.lr) == (train.LR["lora"][0], train.LR["full"][0]) and toy_full.lr < toy_lora.lr
+    help_text = train.build_parser().format_help()
+    assert f"{train.LR['full'][0]:g} full" in help_text
+
+
+def coin_rewards(texts, problems, task, **kw):
+    """A reward that depends only on the text (so a resumed run sees the same ones) and is 0
+    or 1 about equally often, so a random tiny model gets non-zero advantages."""
+    import hashlib
+    return [float(hashlib.md5(t.encode()).digest()[0] % 2) for t in texts]
+
+
+def test_coherence_damp_resumes_exactly(model_dir, tmp_path, monkeypatch):
+    import rewards
+    monkeypatch.setattr(rewards, "score", coin_rewards)
+    flags = ["--workflow", "voting", "--sharing", "shared", "--save-every", "3", "--eval-every", "0",
+             "--coherence-damp", "generator=0.5", "--coherence-damp", "aggregator=0.3", "--coherence-window", "2"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    train.main(argv(model_dir, full, *flags, steps=4))
+    real_update, calls = grpo.update, []
+
+    def update_then_interrupt(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_update(*a, **k)
+    monkeypatch.setattr(grpo, "update", update_then_interrupt)
+    with pytest.raises(SystemExit):
+        train.main(argv(model_dir, cut, *flags, steps=4))
+    monkeypatch.setattr(grpo, "update", real_update)
+    train.main(["--resume", str(cut), "--quiet"])
+    metrics = comparable(read_jsonl(cut / "metrics.jsonl"))
+    assert metrics == comparable(read_jsonl(full / "metrics.jsonl"))
+    assert any("damp_scale" in m["roles"]["generator"] for m in metrics)
+    assert "damp" in torch.load(cut / "ckpt-last" / "state.pt", weights_only=False)
+
+
+# ----------------------------------------------------------------------------- forking
+
+def best_of_2(episodes, llm, task):
+    """A fifth workflow for the test: two generators, then a judge picks one (\\boxed{k})."""
+    gens = llm("generator", ["generator0", "generator1"] * len(episodes),
+               [workflows.generator_messages(ep.problem, task) for ep in episodes for _ in range(2)])
+    msgs = [[{"role": "system", "content": workflows.INSTRUCTIONS["judge", task]},
+             {"role": "user", "content": "\n".join([ep.problem["prompt"], gens[2 * i].text, gens[2 * i + 1].text])}]
+            for i, ep in enumerate(episodes)]
+    for i, (ep, judge) in enumerate(zip(episodes, llm("judge", ["judge"] * len(episodes), msgs))):
+        ep.calls += [gens[2 * i], gens[2 * i + 1], judge]
+        k, fallback = workflows.parse_choice(judge.text, 2)
+        ep.fallbacks["judge"] = int(fallback)
+        ep.final_text = gens[2 * i + k - 1].text
+
+
+def test_a_workflow_registered_in_workflows_py_alone_trains(model_dir, tmp_path, monkeypatch):
+    for name in ("WORKFLOWS", "ROLES", "SLOTS", "ROLE_KINDS", "INSTRUCTIONS"):
+        monkeypatch.setattr(workflows, name, dict(getattr(workflows, name)))
+    workflows.register("best_of_2", best_of_2, ("generator", "judge"), ("generator0", "generator1", "judge"),
+                       kinds={"judge": "supervisory"},
+                       instructions={("judge", t): "Pick the better solution; answer \\boxed{1} or \\boxed{2}."
+                                     for t in workflows.TASKS})
+    out = tmp_path / "run"
+    train.main(argv(model_dir, out, "--workflow", "best_of_2", "--sharing", "isolated", steps=1))
+    m = read_jsonl(out / "metrics.jsonl")[0]
+    assert set(m["roles"]) == {"generator", "judge"} and set(m["adapters"]) == {"generator", "judge"}
+    assert set(m["slots"]) == {"generator0", "generator1", "judge"}
+    import eval as ev
+    s = ev.analyse([str(out)], plots=False)[0]
+    assert s["workflow"] == "best_of_2" and s["base_acc"] is not None
