@@ -721,7 +721,7 @@ def _evaluate_cli(args):
         policy.load_adapters(args.checkpoint)
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     # length limits: the flag, else the checkpoint's training run, else the toy / paper limits
-    default_new, default_prompt = tasks.length_limits(args.scale, kind)
+    default_new, default_prompt, _ = tasks.length_limits(args.scale, kind)
     max_new = args.max_new_tokens or ck.get("max_new_tokens") or default_new
     max_prompt = args.max_prompt_tokens or ck.get("max_prompt_tokens") or default_prompt
     llm = rollout.make_llm(policy, temperature=args.temperature, top_p=1.0, generator=gen,

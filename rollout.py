@@ -184,9 +184,25 @@ def default_kv_budget(model, device, budget_gb=None) -> int:
     return int((budget_gb or 4.0) * 2**30)
 
 
+def make_clip(tokenizer, max_tokens: int | None):
+    """`clip(text) -> text` that keeps at most `max_tokens` tokens of a text embedded in a
+    later prompt: its first quarter and its last three quarters (where a final answer or the
+    code block usually is), joined by a line saying how much was cut. None: no limit."""
+    def clip(text: str) -> str:
+        if not max_tokens:
+            return text
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_tokens:
+            return text
+        head = max_tokens // 4
+        return (tokenizer.decode(ids[:head]) + f"\n[... {len(ids) - max_tokens} tokens cut ...]\n"
+                + tokenizer.decode(ids[len(ids) - (max_tokens - head):]))
+    return clip
+
+
 def make_llm(policy, *, temperature: float = 0.7, top_p: float = 1.0, max_new_tokens: int = 512,
              max_prompt_tokens: int | None = None, generator=None, max_rows: int | None = None,
-             kv_budget: int | None = None):
+             kv_budget: int | None = None, max_embed_tokens: int | None = None):
     """The `llm(role, slots, messages_list) -> list[Call]` that workflows.py calls once per stage.
 
     Every call of a stage goes to the adapter of its role in one `generate` (or chunks of
@@ -225,6 +241,7 @@ def make_llm(policy, *, temperature: float = 0.7, top_p: float = 1.0, max_new_to
         return calls
 
     llm.stats = stats
+    llm.clip = make_clip(tok, max_embed_tokens)   # workflows.py shortens embedded texts with it
     return llm
 
 

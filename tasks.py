@@ -12,7 +12,7 @@ rewards.math_reward; `tests` is one of the two kinds rewards.code_reward runs:
     task_kind(name) -> "math" | "code"
     default_data(scale, task) -> name     the paper's data set (toy_math / toy_code at toy)
     MAX_NEW_TOKENS[task]                  the paper's response limit: 5120 math, 2048 code
-    length_limits(scale, task) -> (max new tokens, max prompt tokens) by default
+    length_limits(scale, task) -> (max new, max prompt, max embedded tokens) by default
     validate(record, where=None) -> record, or ValueError naming the record
 
 `n=None` gives the whole split in its fixed order; `n=k` gives k records drawn from the split
@@ -130,6 +130,10 @@ _SPLITS = ("train", "test")
 DEFAULT_DATA = {("toy", "math"): "toy_math", ("toy", "code"): "toy_code",
                 ("real", "math"): "dapo_math", ("real", "code"): "deepcoder"}
 MAX_NEW_TOKENS = {"math": 5120, "code": 2048}
+# at real scales an earlier call's text embedded in a later prompt (an aggregator's three
+# solutions, an evaluator's attempts) keeps at most this many tokens, so those prompts stay
+# under ~problem + 3 x 1,536 tokens and never lose the instruction or the problem
+MAX_EMBED_TOKENS = 1536
 
 
 def default_data(scale: str, task: str) -> str:
@@ -138,12 +142,13 @@ def default_data(scale: str, task: str) -> str:
 
 
 def length_limits(scale: str, task: str) -> tuple:
-    """(max new tokens, max prompt tokens) of one call by default: the toy world's limits at
-    --scale toy, else the paper's response limit and no prompt limit."""
+    """(max new tokens, max prompt tokens, max embedded tokens) of one call by default: the toy
+    world's limits at --scale toy (its texts are short: nothing embedded is shortened), else
+    the paper's response limit, no cut of a prompt's front, and MAX_EMBED_TOKENS."""
     if scale == "toy":
         import toy
-        return toy.MAX_NEW_TOKENS, toy.MAX_PROMPT_TOKENS
-    return MAX_NEW_TOKENS[task], None
+        return toy.MAX_NEW_TOKENS, toy.MAX_PROMPT_TOKENS, None
+    return MAX_NEW_TOKENS[task], None, MAX_EMBED_TOKENS
 
 
 def task_kind(name: str) -> str:

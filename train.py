@@ -93,8 +93,12 @@ def build_parser():
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="completion limit per call (default: %d at --scale "
                     "toy, the paper's %s otherwise)" % (toy.MAX_NEW_TOKENS, _per_task(tasks.MAX_NEW_TOKENS)))
-    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt limit per call, longer prompts keep "
-                    "their end (default: %d at --scale toy, none otherwise)" % toy.MAX_PROMPT_TOKENS)
+    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="hard prompt limit per call: a longer prompt "
+                    "keeps its end, losing the instruction and problem first, so it is a last resort (default: "
+                    "%d at --scale toy, none otherwise: --max-embed-tokens bounds the long prompts)" % toy.MAX_PROMPT_TOKENS)
+    ap.add_argument("--max-embed-tokens", type=int, default=None, help="an earlier call's text (a solution, an "
+                    "attempt) embedded in a later prompt keeps at most this many tokens, its head and tail "
+                    "(default: none at --scale toy, %d otherwise)" % tasks.MAX_EMBED_TOKENS)
     ap.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache the sampler may hold, GiB (default: "
                     "a share of free GPU memory on CUDA, a fixed amount on CPU; printed at start)")
     ap.add_argument("--max-rows", type=int, default=None, help="most rows decoded at once (default: as many as the KV budget holds)")
@@ -191,9 +195,10 @@ def resolve_args(ap, args):
         if getattr(args, name) is None:
             setattr(args, name, SCALE_DEFAULTS[name][real])
     args.lr = LR[args.isolation][real] if args.lr is None else args.lr
-    default_new, default_prompt = tasks.length_limits(args.scale, args.task)
+    default_new, default_prompt, default_embed = tasks.length_limits(args.scale, args.task)
     args.max_new_tokens = args.max_new_tokens or default_new
     args.max_prompt_tokens = args.max_prompt_tokens or default_prompt
+    args.max_embed_tokens = args.max_embed_tokens or default_embed
     args.data = args.data or tasks.default_data(args.scale, args.task)
     args.mini_batch = args.mini_batch or args.problems_per_step * args.group_size
     roles = workflows.ROLES[args.workflow]
@@ -365,7 +370,8 @@ def make_llm(policy, args, generator, kv_budget):
     import rollout
     return rollout.make_llm(policy, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                            generator=generator, max_rows=args.max_rows, kv_budget=kv_budget)
+                            generator=generator, max_rows=args.max_rows, kv_budget=kv_budget,
+                            max_embed_tokens=args.max_embed_tokens)
 
 
 def setup(args):

@@ -33,6 +33,10 @@ Exact choices:
   `max_strategies` is the parser's cap. The code problem's text already carries its starter
   code or stdin/stdout format, so code prompts add nothing to it.
 - Math roles that answer end with `\\boxed{}`; code roles answer in one ```python block.
+- An earlier call's text embedded in a later prompt (solutions, attempts) goes through
+  `llm.clip` first when the llm has one (rollout.py's bounds each to --max-embed-tokens), so a
+  long solution shortens itself instead of pushing the problem out of the prompt; the graded
+  text is never shortened.
 
 No torch here: `llm` is any callable with the contract below (rollout.py builds the real one,
 tests use a scripted fake). Run: `run_workflow("voting", episodes, llm, "math")`; tests:
@@ -294,6 +298,14 @@ def _stage(llm: LLM, role: str, slots: list[str], messages_list: list[list[dict]
     return calls
 
 
+def _clipper(llm: LLM) -> Callable[[str], str]:
+    """How an earlier call's text is shortened before it is embedded in a later prompt (the
+    solutions an aggregator or synthesizer reads, the attempts an evaluator reads): `llm.clip`
+    when the llm has one (rollout.py's keeps the head and tail of a long text, so the
+    instruction and the problem are never cut), else unchanged."""
+    return getattr(llm, "clip", None) or (lambda text: text)
+
+
 def single(episodes: list[Episode], llm: LLM, task: str) -> None:
     _check_task(task)
     calls = _stage(llm, "generator", ["generator"] * len(episodes),
@@ -314,8 +326,9 @@ def voting(episodes: list[Episode], llm: LLM, task: str, n_voters: int = 3) -> N
     groups = [gen[i * n_voters:(i + 1) * n_voters] for i in range(len(episodes))]
     for ep, group in zip(episodes, groups):
         ep.calls.extend(group)
+    clip = _clipper(llm)
     agg = _stage(llm, "aggregator", ["aggregator"] * len(episodes),
-                 [aggregator_messages(ep.problem, task, [c.text for c in group])
+                 [aggregator_messages(ep.problem, task, [clip(c.text) for c in group])
                   for ep, group in zip(episodes, groups)])
     for ep, group, call in zip(episodes, groups, agg):
         ep.calls.append(call)
@@ -331,10 +344,11 @@ def eval_opt(episodes: list[Episode], llm: LLM, task: str, max_rounds: int | Non
         raise ValueError(f"max_rounds must be >= 0, got {max_rounds}")
     history = [[] for _ in episodes]      # per episode: attempt, feedback, attempt, ...
     live = list(range(len(episodes)))     # episodes not yet judged Correct
+    clip = _clipper(llm)
 
     def generate(idx: list[int]) -> None:
         calls = _stage(llm, "generator", ["generator"] * len(idx),
-                       [generator_messages(episodes[i].problem, task, history[i]) for i in idx])
+                       [generator_messages(episodes[i].problem, task, [clip(t) for t in history[i]]) for i in idx])
         for i, call in zip(idx, calls):
             episodes[i].calls.append(call)
             history[i].append(call.text)
@@ -343,7 +357,7 @@ def eval_opt(episodes: list[Episode], llm: LLM, task: str, max_rounds: int | Non
     generate(live)
     for _ in range(rounds):
         calls = _stage(llm, "evaluator", ["evaluator"] * len(live),
-                       [evaluator_messages(episodes[i].problem, task, history[i]) for i in live])
+                       [evaluator_messages(episodes[i].problem, task, [clip(t) for t in history[i]]) for i in live])
         still = []
         for i, call in zip(live, calls):
             episodes[i].calls.append(call)
@@ -378,8 +392,9 @@ def orch_workers(episodes: list[Episode], llm: LLM, task: str, max_strategies: i
     for i, call in zip(owners, work):
         episodes[i].calls.append(call)
         solutions[i].append(call.text)
+    clip = _clipper(llm)
     syn = _stage(llm, "synthesizer", ["synthesizer"] * len(episodes),
-                 [synthesizer_messages(ep.problem, task, sols) for ep, sols in zip(episodes, solutions)])
+                 [synthesizer_messages(ep.problem, task, [clip(s) for s in sols]) for ep, sols in zip(episodes, solutions)])
     for ep, call in zip(episodes, syn):
         ep.calls.append(call)
         ep.final_text = call.text

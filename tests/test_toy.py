@@ -433,3 +433,16 @@ def test_cache_location_follows_marl_cache(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(tmp_path)
+
+
+def test_make_clip_keeps_head_and_tail_within_the_budget():
+    import rollout
+    import toy
+    tok = toy.build_tokenizer()
+    text = "".join(str(i % 10) for i in range(300)) + "\\boxed{42}"
+    clip = rollout.make_clip(tok, 40)
+    short = clip(text)
+    head, _, tail = short.partition("\n[... ")
+    assert text.startswith(head) and tail.split("...]\n", 1)[1] and text.endswith(tail.split("...]\n", 1)[1])
+    assert len(tok(head + tail.split("...]\n", 1)[1])["input_ids"]) == 40 and short.endswith("\\boxed{42}")
+    assert clip("short") == "short" and rollout.make_clip(tok, None)(text) == text

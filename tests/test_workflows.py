@@ -464,3 +464,21 @@ def test_empty_batch_makes_no_call(name):
 def test_workflows_does_not_import_torch():
     code = "import sys, workflows; assert 'torch' not in sys.modules, 'workflows imported torch'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_embedded_texts_are_clipped_but_the_graded_text_is_not():
+    long = "step\n" * 50 + "\\boxed{5}"
+    clip = lambda text: text[:10] + "[cut]" + text[-9:]  # noqa: E731
+    for name, replies in (("voting", dict(generator=long, aggregator="\\boxed{2}")),
+                          ("orch_workers", dict(orchestrator="STRATEGY 1: add", worker=long, synthesizer=long)),
+                          ("eval_opt", dict(generator=long, evaluator="no \\boxed{Incorrect}"))):
+        llm = FakeLLM(**replies)
+        llm.clip = clip
+        eps = episodes_for("math", 1)
+        W.run_workflow(name, eps, llm, "math")
+        judged = [msgs for role, _, ms in llm.log if role in ("aggregator", "synthesizer", "evaluator") for msgs in ms]
+        assert judged and all(long not in user(m) and clip(long) in user(m) for m in judged)
+        assert eps[0].final_text == long and W.PROBLEM in user(judged[0]) and "What is 2+3?" in user(judged[0])
+        revisions = [user(m) for role, slots, ms in llm.log if role == "generator" for m in ms if W.ATTEMPT in user(m)]
+        assert all(long not in r for r in revisions)
+
