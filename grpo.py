@@ -379,14 +379,21 @@ def _micro_step(policy, name, samples, mb, old, ref, beta, denom, obj, stats):
                 stats[role, "kl"] += float((k3 * mask).sum())
 
 
+def _denominator(samples, rows, loss_norm):
+    """Sequences (seq) or completion tokens (token) of a mini-batch: what its loss divides by."""
+    return len(rows) if loss_norm == "seq" else sum(len(samples[i].completion_ids) for i in rows)
+
+
 def minibatch_gradients(policy, name, samples, rows, old, ref, *, temperature, clip_low,
                         clip_high, clip_c, loss_norm, kl_of, token_budget, acc=None, stats=None,
-                        live=None):
+                        live=None, denom=None):
     """Accumulate the gradient of one mini-batch's loss into the .grad of adapter `name`, and
     return each (role, slot)'s part of it: {(role, slot): flattened contribution}.
 
     rows: indices into samples; old / ref: per-sample 1-D tensors (ref may hold None); kl_of:
-    role -> KL coefficient; live: which rows run (needs_forward; default all). Micro-batches
+    role -> KL coefficient; live: which rows run (needs_forward; default all); denom: the loss
+    normalisation (default: this mini-batch's sequences or tokens; under data parallelism
+    the global mini-batch's). Micro-batches
     run role by role and slot by slot, and the flattened gradient is read after each slot:
     the difference is that slot's contribution (it carries the slot's share of the loss
     normalisation, so it is not weighted again). If `acc` is given, the contributions are
@@ -397,7 +404,7 @@ def minibatch_gradients(policy, name, samples, rows, old, ref, *, temperature, c
         p.grad = torch.zeros_like(p)
     obj = dict(temperature=temperature, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
                loss_norm=loss_norm)
-    denom = len(rows) if loss_norm == "seq" else sum(len(samples[i].completion_ids) for i in rows)
+    denom = denom or _denominator(samples, rows, loss_norm)
     by_slot = defaultdict(list)
     for i in rows:
         by_slot[(samples[i].role, samples[i].slot)].append(i)
@@ -485,20 +492,52 @@ def optimizer_step(opt, params, parts, max_grad_norm, damp, log):
     return norm
 
 
+def minibatches(rows, offset, total, n_mb):
+    """This rank's part of each of the step's n_mb mini-batches. The global order is every
+    rank's rows one rank after the other (this rank's start at `offset` of `total`), cut into
+    n_mb contiguous pieces whose sizes differ by at most one, so every mini-batch holds rows
+    and one process cuts exactly as N processes together do."""
+    out = []
+    for k in range(n_mb):
+        lo, hi = k * total // n_mb - offset, (k + 1) * total // n_mb - offset
+        out.append(rows[max(0, lo):max(0, min(len(rows), hi))])
+    return out
+
+
+def _reduce_parts(comm, parts, keys, params):
+    """Sum every (role, slot) part over ranks (zeros where a rank has none) and set .grad to
+    their sum: the global gradient of this optimizer step."""
+    n = sum(p.numel() for p in params)
+    held = comm.sum([float(k in parts) for k in keys])   # which parts some rank has
+    stack = torch.stack([parts[k] if k in parts else torch.zeros(n, device=params[0].device) for k in keys])
+    comm.all_reduce_(stack)                          # (K, N)
+    set_flat_grad(params, stack.sum(0))
+    return {k: stack[j] for j, k in enumerate(keys) if held[j]}
+
+
 def adapter_step(policy, name, opt, samples, rows, live, old, ref, kl_of, obj, mini_batch,
-                 max_grad_norm, generator, damp, log):
-    """Every mini-batch of one adapter: shuffle its rows, cut them into mini-batches of
-    `mini_batch` sequences, one optimizer step each; then reduce the step's diagnostics."""
+                 max_grad_norm, generator, damp, log, comm=None):
+    """Every mini-batch of one adapter: shuffle its rows (not when generator is None), cut the
+    step's rows into ceil(n / mini_batch) mini-batches (n over every rank), one optimizer step
+    each; then reduce the step's diagnostics."""
     params = policy.parameters_of(name)
-    log.adapters[name] = {"n": len(rows), "opt_steps": 0, "grad_norm": 0.0,
-                          "lr": opt.param_groups[0]["lr"]}
-    if not rows:
+    counts = comm.gather(len(rows)) if comm else [len(rows)]
+    offset, total = sum(counts[:comm.rank]) if comm else 0, sum(counts)
+    log.adapters[name] = {"n": total, "opt_steps": 0, "grad_norm": 0.0, "lr": opt.param_groups[0]["lr"]}
+    if not total:
         return
-    rows = [rows[j] for j in torch.randperm(len(rows), generator=generator).tolist()]
+    if generator is not None:
+        rows = [rows[j] for j in torch.randperm(len(rows), generator=generator).tolist()]
+    keys = sorted({(samples[i].role, samples[i].slot) for i in rows})
+    if comm:
+        keys = sorted({tuple(k) for ks in comm.gather(keys) for k in ks})
     step_parts, norms = {}, []   # (role, slot) -> contribution summed over the step
-    for start in range(0, len(rows), mini_batch):
-        parts = minibatch_gradients(policy, name, samples, rows[start:start + mini_batch], old, ref,
-                                    kl_of=kl_of, stats=log.stats, live=live, **obj)
+    for mb in minibatches(rows, offset, total, math.ceil(total / mini_batch)):
+        denom = _denominator(samples, mb, obj["loss_norm"])
+        parts = minibatch_gradients(policy, name, samples, mb, old, ref, kl_of=kl_of, stats=log.stats,
+                                    live=live, denom=comm.sum(denom) if comm else denom, **obj)
+        if comm:
+            parts = _reduce_parts(comm, parts, keys, params)
         norms.append(optimizer_step(opt, params, parts, max_grad_norm, damp, log))
         for k, v in parts.items():
             step_parts[k] = step_parts[k].add_(v) if k in step_parts else v
@@ -542,7 +581,8 @@ def _step_schedulers(schedulers):
 
 def update(policy, optimizers, schedulers, samples, *, temperature, mini_batch=512, clip_low=0.2,
            clip_high=0.28, clip_c=3.0, loss_norm="seq", kl_coef=0.0, kl_coef_role=None,
-           max_grad_norm=1.0, token_budget=8192, generator=None, damp=None, skip_zero=True) -> dict:
+           max_grad_norm=1.0, token_budget=8192, generator=None, damp=None, skip_zero=True,
+           comm=None) -> dict:
     """One training step over `samples`; returns the step's metrics (docs/RUNFOLDER.md).
 
     Steps: (1) old logprobs (and the base's, for roles with a KL coefficient) recomputed once,
@@ -551,7 +591,8 @@ def update(policy, optimizers, schedulers, samples, *, temperature, mini_batch=5
     `generator` and cut into mini-batches of `mini_batch` sequences; each mini-batch takes one
     optimizer step after gradient accumulation over micro-batches, the optional coherence
     damping (`damp`, a CoherenceDamp) and clipping to `max_grad_norm`; (3) every scheduler
-    steps once; (4) the diagnostics are summarised (`summarise`)."""
+    steps once; (4) the diagnostics are summarised (`summarise`). With `comm` (parallel.Comm,
+    under torchrun) `samples` are this rank's, and every count, norm and mean is global."""
     if loss_norm not in ("seq", "token"):
         raise ValueError(f"loss_norm must be seq or token, got {loss_norm!r}")
     if mini_batch < 1:
@@ -574,37 +615,47 @@ def update(policy, optimizers, schedulers, samples, *, temperature, mini_batch=5
     log = StepLog()
     for name in policy.names:
         adapter_step(policy, name, optimizers[name], samples, by_name.get(name, []), live, old, ref,
-                     kl_of, obj, mini_batch, max_grad_norm, generator, damp, log)
+                     kl_of, obj, mini_batch, max_grad_norm, generator, damp, log, comm)
     _step_schedulers(schedulers)
-    return summarise(policy, samples, live, old, ent, log, kl_of)
+    return summarise(policy, samples, live, old, ent, log, kl_of, comm)
 
 
-def _role_summary(samples, idx, live, old, ent, log, role, total_norm):
-    """One role's metrics; the token statistics cover the rows that ran."""
+ROLE_SUMS = ("n", "toks", "skipped", "trunc", "ent", "ent_n", "gap", "gap_n", "tokens", "clipped", "ratio", "kl")
+
+
+def _role_sums(samples, idx, live, old, ent, log, role) -> list:
+    """One role's additive numbers on this rank, in ROLE_SUMS order; the token statistics
+    cover the rows that ran."""
     ran = [i for i in idx if live[i]]
-    toks = sum(len(samples[i].completion_ids) for i in idx)
-    gap_n = gap = 0.0
+    gap = gap_n = 0.0
     for i in ran:
         sl = samples[i].sampler_logprobs
         if len(sl) == len(samples[i].completion_ids):  # skip rows without sampler logprobs
             gap += float((torch.tensor(sl, device=old[i].device) - old[i]).abs().sum())
             gap_n += len(sl)
-    t = max(log.stats[role, "tokens"], 1.0)
+    return [len(idx), sum(len(samples[i].completion_ids) for i in idx), len(idx) - len(ran),
+            sum(not samples[i].finished for i in idx), float(sum(ent[i].sum() for i in ran)),
+            sum(len(ent[i]) for i in ran), gap, gap_n,
+            *(log.stats[role, k] for k in ("tokens", "clipped", "ratio", "kl"))]
+
+
+def _role_summary(s: dict, log, role, total_norm, kl: bool) -> dict:
+    t = max(s["tokens"], 1.0)
     norm, opt = log.role_norm.get(role, 0.0), log.opt_norms.get(role, [])
-    r = {"n": len(idx), "len": toks / len(idx), "skipped": len(idx) - len(ran),
-         "trunc_frac": sum(not samples[i].finished for i in idx) / len(idx),
+    r = {"n": int(s["n"]), "len": s["toks"] / s["n"], "skipped": int(s["skipped"]), "trunc_frac": s["trunc"] / s["n"],
          "grad_norm": norm, "grad_share": norm / total_norm if total_norm > 0 else 0.0,
          "grad_norm_opt": sum(opt) / len(opt) if opt else 0.0, "grad_norm_opt_max": max(opt, default=0.0),
-         "clip_frac": log.stats[role, "clipped"] / t, "ratio_mean": log.stats[role, "ratio"] / t,
-         "entropy": float(sum(ent[i].sum() for i in ran)) / max(sum(len(ent[i]) for i in ran), 1),
-         "logprob_gap": gap / gap_n if gap_n else 0.0, "opt_steps": log.opt_steps[role]}
+         "clip_frac": s["clipped"] / t, "ratio_mean": s["ratio"] / t, "entropy": s["ent"] / max(s["ent_n"], 1),
+         "logprob_gap": s["gap"] / s["gap_n"] if s["gap_n"] else 0.0, "opt_steps": log.opt_steps[role]}
+    if kl:
+        r["kl"] = s["kl"] / t
     if log.damp.get(role):
         r["damp_cos"] = sum(c for c, _ in log.damp[role]) / len(log.damp[role])
         r["damp_scale"] = sum(s for _, s in log.damp[role]) / len(log.damp[role])
     return r
 
 
-def summarise(policy, samples, live, old, ent, log, kl_of) -> dict:
+def summarise(policy, samples, live, old, ent, log, kl_of, comm=None) -> dict:
     """The step's metrics (every field is described in docs/RUNFOLDER.md).
 
     Per role: n, len, skipped (rows with zero gradient that did not run), trunc_frac,
@@ -623,19 +674,24 @@ def summarise(policy, samples, live, old, ent, log, kl_of) -> dict:
     mini-batches run. For LoRA rank 64 on Qwen3-4B an adapter is ~130M numbers (~0.5 GB), so
     Voting under shared holds ~5 GB; with --isolation full they are the size of the model,
     which is why full copies are for small models only."""
+    sums = [_role_sums(samples, [i for i, s in enumerate(samples) if s.role == role], live, old, ent, log, role)
+            for role in policy.roles]
+    slots = list(dict.fromkeys(s.slot for s in samples))
+    if comm:
+        slots = list(dict.fromkeys(s for ss in comm.gather(slots) for s in ss))
+    slot_sums = [[sum(s.slot == k for s in samples), sum(len(s.completion_ids) for s in samples if s.slot == k)]
+                 for k in slots]
+    if comm:  # one collective for every number of the step
+        flat = comm.sum([x for r in sums for x in r] + [x for r in slot_sums for x in r])
+        sums = [flat[j * len(ROLE_SUMS):(j + 1) * len(ROLE_SUMS)] for j in range(len(sums))]
+        rest = flat[len(sums) * len(ROLE_SUMS):]
+        slot_sums = [rest[2 * j:2 * j + 2] for j in range(len(slots))]
     total_norm = sum(log.role_norm.values())
-    roles, slots = {}, {}
-    for role in policy.roles:
-        idx = [i for i, s in enumerate(samples) if s.role == role]
-        if idx:
-            roles[role] = _role_summary(samples, idx, live, old, ent, log, role, total_norm)
-            if kl_of(role):
-                roles[role]["kl"] = log.stats[role, "kl"] / max(log.stats[role, "tokens"], 1.0)
-    for slot in dict.fromkeys(s.slot for s in samples):
-        idx = [i for i, s in enumerate(samples) if s.slot == slot]
-        slots[slot] = {"n": len(idx), "len": sum(len(samples[i].completion_ids) for i in idx) / len(idx),
-                       "grad_norm": log.slot_norm.get(slot, 0.0)}
-    out = {"roles": roles, "slots": slots, "adapters": log.adapters,
+    roles = {role: _role_summary(dict(zip(ROLE_SUMS, s)), log, role, total_norm, bool(kl_of(role)))
+             for role, s in zip(policy.roles, sums) if s[0]}
+    out = {"roles": roles, "adapters": log.adapters,
+           "slots": {k: {"n": int(n), "len": t / n, "grad_norm": log.slot_norm.get(k, 0.0)}
+                     for k, (n, t) in zip(slots, slot_sums) if n},
            "lr": next(iter(log.adapters.values()))["lr"] if log.adapters else 0.0}
     if total_norm > 0:
         out["dominant_role"] = max(roles, key=lambda r: roles[r]["grad_share"])

@@ -335,12 +335,18 @@ class Run:
     test_set: list
     files: dict
     damp: object = None           # grpo.CoherenceDamp or None
+    comm: object = None           # parallel.Comm under torchrun, else None
     tracker: object = None
     kv_budget: int = 0
     best: float = -1.0
     last_acc: float | None = None
     start: int = 0
     created: list = field(default_factory=list)   # files this process made (step-0 cleanup)
+
+    @property
+    def main(self) -> bool:
+        """Only rank 0 prints, writes the run folder and saves checkpoints."""
+        return self.comm is None or self.comm.main
 
 
 def fail(msg):
@@ -374,16 +380,18 @@ def make_llm(policy, args, generator, kv_budget):
                             max_embed_tokens=args.max_embed_tokens)
 
 
-def setup(args):
-    """Model, policy, data, optimizers, generators and the run folder's files."""
+def setup(args, comm=None):
+    """Model, policy, data, optimizers, generators and the run folder's files. Under torchrun
+    each rank samples with its own seed (rank 0's is --seed, so one process is the same run)."""
     import torch
 
     import grpo
     import policies
     import rollout
     import workflows
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = comm.device if comm else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    rank = comm.rank if comm else 0
     try:
         train_set, test_set = load_data(args)
         model, tok = policies.load(args.scale, device, dtype, toy_task=args.task)
@@ -401,11 +409,11 @@ def setup(args):
                              args.lora_rank, args.lora_alpha, checkpointing=checkpointing)
     optimizers, schedulers = grpo.make_optimizers(policy, args.lr, args.warmup_steps, args.steps,
                                                   weight_decay=args.weight_decay)
-    gen = torch.Generator(device).manual_seed(args.seed)
+    gen = torch.Generator(device).manual_seed(args.seed + 1000 * rank)
     kv_budget = rollout.default_kv_budget(model, device, args.kv_budget_gb)
     files = {k: os.path.join(args.out, f"{k}.jsonl") for k in ("metrics", "eval", "samples")}
-    return Run(args, policy, optimizers, schedulers, gen, torch.Generator().manual_seed(args.seed + 1),
-               make_llm(policy, args, gen, kv_budget), train_set, test_set, files, kv_budget=kv_budget,
+    return Run(args, policy, optimizers, schedulers, gen, torch.Generator().manual_seed(args.seed + 1 + 1000 * rank),
+               make_llm(policy, args, gen, kv_budget), train_set, test_set, files, kv_budget=kv_budget, comm=comm,
                damp=grpo.CoherenceDamp(args.coherence_damp, args.coherence_window) if args.coherence_damp else None)
 
 
@@ -430,41 +438,53 @@ def print_plan(run):
 
 
 def open_run_folder(run):
-    """Resume from the newest complete checkpoint, or start the run folder afresh."""
-    import torch
+    """Resume from the newest complete checkpoint, or start the run folder afresh. Rank 0
+    alone touches the files; every rank then loads the same checkpoint."""
     args = run.args
-    if not os.path.isdir(args.out):
-        run.created.append(args.out)
-    os.makedirs(args.out, exist_ok=True)
-    ck, step = find_checkpoint(args.out) if args.resume else (None, None)
-    if args.resume:
-        find_checkpoint(args.out, "ckpt-best")
+    ck = step = None
+    if run.main:
+        if not os.path.isdir(args.out):
+            run.created.append(args.out)
+        os.makedirs(args.out, exist_ok=True)
+        if args.resume:
+            ck, step = find_checkpoint(args.out)
+            find_checkpoint(args.out, "ckpt-best")
+            for f in run.files.values():
+                truncate_jsonl(f, step if ck else -1)
+            print(f"resumed {args.out} at step {step} from {os.path.basename(ck)}" if ck else
+                  f"resume: {args.out} has no complete checkpoint; starting it over")
+        path = os.path.join(args.out, "config.json")
+        if not os.path.isfile(path):
+            run.created.append(path)
+        with open(path, "w") as f:
+            json.dump(vars(args), f, indent=2)
+        print("config: " + json.dumps(vars(args)))
+    if run.comm:
+        ck, step = run.comm.gather((ck, step))[0]
     if ck is not None:
-        run.policy.load_adapters(ck)
-        st = torch.load(os.path.join(ck, "state.pt"), weights_only=False)
-        for k in run.optimizers:
-            run.optimizers[k].load_state_dict(st["optimizers"][k])
-            run.schedulers[k].load_state_dict(st["schedulers"][k])
-        run.gen.set_state(st["gen"])
-        run.shuffle.set_state(st["shuffle"])
-        if run.damp is not None:
-            run.damp.load_state_dict(st["damp"], device=run.policy.model.device)
-        run.start, run.best = step, st["best"]
-        for f in run.files.values():
-            truncate_jsonl(f, step)
-        accs = [r["acc"] for r in _records(run.files["eval"])]
-        run.last_acc = accs[-1] if accs else None
-        print(f"resumed {args.out} at step {step} from {os.path.basename(ck)}")
-    elif args.resume:
-        print(f"resume: {args.out} has no complete checkpoint; starting it over")
-        for f in run.files.values():
-            truncate_jsonl(f, -1)
-    path = os.path.join(args.out, "config.json")
-    if not os.path.isfile(path):
-        run.created.append(path)
-    with open(path, "w") as f:
-        json.dump(vars(args), f, indent=2)
-    print("config: " + json.dumps(vars(args)))
+        restore(run, ck, step)
+
+
+def restore(run, ck, step):
+    """Adapters, optimizer and scheduler states, RNG states (this rank's) and the damping EMA."""
+    import torch
+    run.policy.load_adapters(ck)
+    st = torch.load(os.path.join(ck, "state.pt"), weights_only=False)
+    for k in run.optimizers:
+        run.optimizers[k].load_state_dict(st["optimizers"][k])
+        run.schedulers[k].load_state_dict(st["schedulers"][k])
+    world = run.comm.world if run.comm else 1
+    ranks = st.get("ranks", [{"gen": st["gen"], "shuffle": st["shuffle"]}])
+    if len(ranks) != world:
+        fail(f"--resume: the run was saved by {len(ranks)} processes; resume it with as many (now {world})")
+    mine = ranks[run.comm.rank if run.comm else 0]
+    run.gen.set_state(mine["gen"])
+    run.shuffle.set_state(mine["shuffle"])
+    if run.damp is not None:
+        run.damp.load_state_dict(st["damp"], device=run.policy.model.device)
+    run.start, run.best = step, st["best"]
+    accs = [r["acc"] for r in _records(run.files["eval"])]
+    run.last_acc = accs[-1] if accs else None
 
 
 def _records(path):
@@ -475,7 +495,12 @@ def _records(path):
 
 
 def checkpoint(run, step, name="ckpt-last"):
-    state = {"step": step, "best": run.best, "gen": run.gen.get_state(), "shuffle": run.shuffle.get_state()}
+    """Rank 0 saves; the RNG states of every rank go with it (every rank must call this)."""
+    mine = {"gen": run.gen.get_state(), "shuffle": run.shuffle.get_state()}
+    ranks = run.comm.gather(mine) if run.comm else [mine]
+    if not run.main:
+        return
+    state = {"step": step, "best": run.best, **ranks[0], "ranks": ranks}
     if run.damp is not None:
         state["damp"] = run.damp.state_dict()
     save_checkpoint(run.policy, run.optimizers, run.schedulers, state, os.path.join(run.args.out, name))
@@ -493,18 +518,38 @@ def evaluate(llm, args, problems, step):
     return {"step": step, "acc": res["pass@k"][1], "n": res["problems"],
             "parse_fail": {r: q.get("fallbacks_per_call", 0.0) for r, q in roles.items()},
             "len": {r: q.get("len_tokens", q.get("len_chars")) for r, q in roles.items()},
-            "code_block_rate": {r: q.get("code_block_rate", 0.0) for r, q in roles.items()}}
+            "code_block_rate": {r: q.get("code_block_rate", 0.0) for r, q in roles.items()},
+            "calls": {r: q.get("calls", 0) for r, q in roles.items()}}
+
+
+def merge_evals(recs):
+    """One evaluation record from every rank's share: accuracy weighted by problems, per-role
+    rates weighted by calls."""
+    recs = [r for r in recs if r]
+    n = sum(r["n"] for r in recs)
+    out = {"step": recs[0]["step"], "acc": sum(r["acc"] * r["n"] for r in recs) / n, "n": n, "calls": {}}
+    for r in recs:
+        for role, c in r["calls"].items():
+            out["calls"][role] = out["calls"].get(role, 0) + c
+    for key in ("parse_fail", "len", "code_block_rate"):
+        out[key] = {role: sum((r[key].get(role) or 0.0) * r["calls"].get(role, 0) for r in recs) / c
+                    for role, c in out["calls"].items() if c}
+    return out
 
 
 def run_eval(run, step):
-    """Evaluate, log, and keep ckpt-best (the earliest step at the best accuracy, step 0 too)."""
+    """Evaluate (each rank its share of the problems), log, and keep ckpt-best: the earliest
+    step at the best accuracy, step 0 included."""
     import torch
     # a generator of its own, so evaluations never shift the training samples
-    gen = torch.Generator(run.gen.device).manual_seed(10_000 + step)
-    rec = evaluate(make_llm(run.policy, run.args, gen, run.kv_budget), run.args, run.test_set, step)
-    log_jsonl(run.files["eval"], rec)
-    if run.tracker is not None:
-        run.tracker.log(rec, step, prefix="eval")
+    gen = torch.Generator(run.gen.device).manual_seed(10_000 + step + 1000 * (run.comm.rank if run.comm else 0))
+    problems = run.comm.share(run.test_set) if run.comm else run.test_set
+    rec = evaluate(make_llm(run.policy, run.args, gen, run.kv_budget), run.args, problems, step) if problems else None
+    rec = merge_evals(run.comm.gather(rec)) if run.comm else rec
+    if run.main:
+        log_jsonl(run.files["eval"], rec)
+        if run.tracker is not None:
+            run.tracker.log(rec, step, prefix="eval")
     run.last_acc = rec["acc"]
     if rec["acc"] > run.best:
         run.best = rec["acc"]
@@ -523,16 +568,20 @@ def log_transcripts(path, step, episodes, samples):
 
 
 def step_record(run, step, episodes, stats, times):
-    """The metrics.jsonl object of one step."""
-    roles = {r: sum(c.role == r for e in episodes for c in e.calls) for r in run.policy.roles}
+    """The metrics.jsonl object of one step (sums over every rank's episodes)."""
+    roles = run.policy.roles
+    local = [sum(e.reward for e in episodes), len(episodes), sum(len(c.completion_ids) for e in episodes for c in e.calls),
+             *(sum(c.role == r for e in episodes for c in e.calls) for r in roles),
+             *(sum(e.fallbacks.get(r, 0) for e in episodes) for r in roles)]
+    reward, n, tokens, *rest = run.comm.sum(local) if run.comm else local
+    calls, fallbacks = rest[:len(roles)], rest[len(roles):]
     for r, q in stats["roles"].items():
-        q["fallback_rate"] = sum(e.fallbacks.get(r, 0) for e in episodes) / max(1, roles.get(r, 0))
-    n_tokens = sum(len(c.completion_ids) for e in episodes for c in e.calls)
-    return {"step": step, "reward": sum(e.reward for e in episodes) / len(episodes),
-            "lr": run.schedulers[run.policy.names[0]].get_last_lr()[0], **stats,
+        q["fallback_rate"] = fallbacks[roles.index(r)] / max(1, calls[roles.index(r)])
+    rollout_s = run.comm.sum(times[1] - times[0]) / run.comm.world if run.comm else times[1] - times[0]
+    return {"step": step, "reward": reward / n, "lr": run.schedulers[run.policy.names[0]].get_last_lr()[0], **stats,
             "time": {"rollout": times[1] - times[0], "score": times[2] - times[1],
                      "update": times[3] - times[2], "step": time.time() - times[0]},
-            "tokens_per_s": n_tokens / max(times[1] - times[0], 1e-9)}
+            "tokens_per_s": tokens / max(rollout_s, 1e-9)}
 
 
 def step_line(step, steps, m, last_acc):
@@ -585,38 +634,64 @@ def first_eval(run):
         print("interrupted during the step-0 evaluation: nothing saved; run the same command to start again",
               file=sys.stderr)
         sys.exit(130)
-    print(f"step    0 | eval {acc:.3f} (untrained workflow, {len(run.test_set)} problems)")
+    if run.main:
+        print(f"step    0 | eval {acc:.3f} (untrained workflow, {len(run.test_set)} problems)")
 
 
 # ----------------------------------------------------------------------------- main
+
+def log_step(run, step, m, episodes, samples):
+    """metrics.jsonl (and the tracker), transcripts, the step line: rank 0 only."""
+    if not run.main:
+        return
+    args = run.args
+    log_jsonl(run.files["metrics"], m)
+    if run.tracker is not None:
+        run.tracker.log(m, step)
+    if every(args.samples_every, step) or (step == 1 and args.samples_every):
+        log_transcripts(run.files["samples"], step, episodes[:2], samples)
+
+
+def start_run(args, comm):
+    """Set up, print the memory plan, open the run folder, and evaluate step 0 if fresh."""
+    try:
+        run = setup(args, comm)
+        if run.main:
+            print_plan(run)
+        open_run_folder(run)
+    except KeyboardInterrupt:
+        print("interrupted while setting up: nothing to save", file=sys.stderr)
+        sys.exit(130)
+    if args.log_to != "none" and run.main:
+        import tracking
+        run.tracker = tracking.open_tracker(args.log_to, args.out, vars(args), resume=bool(args.resume))
+    if run.start == 0:
+        first_eval(run)
+    return run
+
 
 def main(argv=None):
     args = parse_args(argv)
     from tqdm import tqdm
 
     import grpo
+    import parallel
     import rewards
     import rollout
 
-    try:
-        run = setup(args)
-        print_plan(run)
-        open_run_folder(run)
-    except KeyboardInterrupt:
-        print("interrupted while setting up: nothing to save", file=sys.stderr)
-        sys.exit(130)
-    if args.log_to != "none":
-        import tracking
-        run.tracker = tracking.open_tracker(args.log_to, args.out, vars(args), resume=bool(args.resume))
-    if run.start == 0:
-        first_eval(run)
-    bar = tqdm(range(run.start + 1, args.steps + 1), desc="train", disable=args.quiet,
+    comm = parallel.init(args.device)
+    if comm:
+        comm.barrier()   # every rank has checked the run folder before rank 0 writes to it
+    run = start_run(args, comm)
+    say = print if args.quiet else tqdm.write
+    bar = tqdm(range(run.start + 1, args.steps + 1), desc="train", disable=args.quiet or not run.main,
                initial=run.start, total=args.steps)
     with interrupts() as stop:
         for step in bar:
             t0 = time.time()
-            # 1. problems of this step, the same ones whenever the run is resumed
+            # 1. problems of this step, the same ones whenever the run is resumed (this rank's share)
             batch = random.Random(args.seed * 1_000_003 + step).sample(run.train_set, args.problems_per_step)
+            batch = comm.share(batch) if comm else batch
             # 2. rollouts: every problem G times through the workflow
             episodes = rollout.run_episodes(run.llm, args.workflow, batch, args.group_size, args.task)
             t1 = time.time()
@@ -630,30 +705,38 @@ def main(argv=None):
                                 mini_batch=args.mini_batch, clip_low=args.clip_low, clip_high=args.clip_high,
                                 clip_c=args.clip_c, loss_norm=args.loss_norm, kl_coef=args.kl_coef,
                                 kl_coef_role=args.kl_coef_role, max_grad_norm=args.max_grad_norm,
-                                token_budget=args.token_budget, generator=run.shuffle, damp=run.damp)
-            # 5. log, evaluate, save
+                                token_budget=args.token_budget, generator=run.shuffle, damp=run.damp, comm=comm)
+            # 5. log, evaluate, save (a stop that reached any rank stops them all at this step)
             m = step_record(run, step, episodes, stats, (t0, t1, t2, time.time()))
-            log_jsonl(run.files["metrics"], m)
-            if run.tracker is not None:
-                run.tracker.log(m, step)
-            if every(args.samples_every, step) or (step == 1 and args.samples_every):
-                log_transcripts(run.files["samples"], step, episodes[:2], samples)
+            log_step(run, step, m, episodes, samples)
             if every(args.eval_every, step) or step == args.steps:
                 run_eval(run, step)
-            if every(args.save_every, step) or step == args.steps or stop:
+            stopping = comm.any(bool(stop)) if comm else bool(stop)
+            if every(args.save_every, step) or step == args.steps or stopping:
                 checkpoint(run, step)
-            bar.set_postfix(reward=f"{m['reward']:.3f}", acc="-" if run.last_acc is None else f"{run.last_acc:.3f}")
-            (print if args.quiet else tqdm.write)(step_line(step, args.steps, m, run.last_acc))
-            if stop:
+            if run.main:
+                bar.set_postfix(reward=f"{m['reward']:.3f}", acc="-" if run.last_acc is None else f"{run.last_acc:.3f}")
+                say(step_line(step, args.steps, m, run.last_acc))
+            if stopping:
                 bar.close()
-                print(f"interrupted: saved {args.out}/ckpt-last at step {step}; continue with --resume {args.out}")
+                if run.main:
+                    print(f"interrupted: saved {args.out}/ckpt-last at step {step}; continue with --resume {args.out}")
+                parallel.close(comm)
                 sys.exit(130)
     bar.close()
+    finish(run)
+    parallel.close(comm)
+
+
+def finish(run):
+    if not run.main:
+        return
     if run.tracker is not None:
         run.tracker.close()
-    open(os.path.join(args.out, "done"), "w").close()
-    print(f"done: {args.out} (best eval {run.best:.3f}); analyse with `python eval.py --runs {args.out}`")
+    open(os.path.join(run.args.out, "done"), "w").close()
+    print(f"done: {run.args.out} (best eval {run.best:.3f}); analyse with `python eval.py --runs {run.args.out}`")
 
 
 if __name__ == "__main__":
-    main()
+    from torch.distributed.elastic.multiprocessing.errors import record  # names a failed rank under torchrun
+    record(main)()

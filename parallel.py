@@ -1,0 +1,89 @@
+"""Data parallelism over problems with torch.distributed: what train.py needs to run as N
+processes under torchrun, and nothing when it runs as one.
+
+    torchrun --nproc-per-node 2 train.py ...         # 2 GPUs (NCCL) or 2 CPU processes (gloo)
+
+Choices:
+- `init()` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK). With WORLD_SIZE 1 or
+  unset it returns None and train.py runs exactly as a plain `python train.py`. Otherwise it
+  starts the default process group: NCCL when CUDA is there (one GPU per local rank), gloo on
+  CPUs.
+- The problems of a step are split across ranks in contiguous shares (`share`); all G
+  rollouts of a problem stay on its rank, so advantage groups never cross ranks.
+- Gradients are summed over ranks once per optimizer step, together with the per-slot parts
+  the diagnostics read (`all_reduce_`), so norms, shares, cosines and coherence are those of
+  the global gradient whatever N is. grpo.py divides by the global mini-batch.
+- Scalars and small records (counts, evaluation results, RNG states) go through
+  `sum` / `gather` (all_gather_object), which every rank must call in the same order.
+- Failure: a rank that raises exits non-zero; its peers' next collective fails (gloo: the
+  connection closes) or torchrun stops them (SIGTERM, then SIGKILL after its shutdown
+  timeout), so the job never hangs. train.main is wrapped in torch's `record`, so torchrun's
+  summary names the rank that failed and its traceback.
+"""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT = datetime.timedelta(minutes=60)  # the longest one rank may wait for the others (a rollout)
+
+
+class Comm:
+    """The process group of one training job, seen from one rank."""
+
+    def __init__(self, rank: int, world: int, device: str):
+        self.rank, self.world, self.device = rank, world, device
+        # small tensors travel on the collective's own device: CUDA for NCCL, CPU for gloo
+        self.dev = device if dist.get_backend() == "nccl" else "cpu"
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, items: list) -> list:
+        """This rank's contiguous share of `items` (shares differ in size by at most one)."""
+        n = len(items)
+        return items[self.rank * n // self.world:(self.rank + 1) * n // self.world]
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over ranks, in place."""
+        dist.all_reduce(t)
+        return t
+
+    def sum(self, values):
+        """Sum a float or a list of floats over ranks."""
+        t = torch.tensor(values if isinstance(values, list) else [values], dtype=torch.float64, device=self.dev)
+        self.all_reduce_(t)
+        return t.tolist() if isinstance(values, list) else float(t[0])
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is True on any (e.g. a Ctrl-C that reached one rank)."""
+        return self.sum(float(bool(flag))) > 0
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def init(device: str | None = None) -> Comm | None:
+    """The job's Comm under torchrun (WORLD_SIZE > 1), else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+    return Comm(rank, world, f"cuda:{local}" if cuda else "cpu")
+
+
+def close(comm: Comm | None) -> None:
+    if comm is not None and dist.is_initialized():
+        dist.destroy_process_group()
