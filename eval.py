@@ -473,8 +473,8 @@ def accuracy_summary(evals: list, cliff_drop: float = CLIFF_DROP, cliff_window: 
         out.update(gain_final=accs[-1] - base, gain_peak=accs[peak_i] - base)
     w = min(cliff_window, len(pts))
     out["tail_mean"] = sum(accs[-w:]) / w
-    # 1e-9: 0.5 - 0.4 is 0.0999..., which must count as a drop of 10 points
     out["cliff_line"] = accs[peak_i] - cliff_drop / 100.0
+    # 1e-9: 0.5 - 0.4 is 0.0999..., which must count as a drop of 10 points
     start = _cliff_start(accs, peak_i, out["cliff_line"] + 1e-9)
     if len(accs) - start >= cliff_window:
         out.update(cliff=True, cliff_step=pts[start][0])
@@ -779,11 +779,11 @@ def _panels(Figure, n: int, title: str, height=2.0, ratios=None):
     return fig, [a[0] for a in axes]
 
 
-def _finish(fig, axes, legend_ax=None):
+def _finish(fig, axes):
     from matplotlib.ticker import MaxNLocator
     axes[-1].set_xlabel("training step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
-    (legend_ax or axes[0]).legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    axes[0].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
 
 
@@ -1065,23 +1065,41 @@ def plot_overlay(title: str, groups: dict, path: str) -> str | None:
     return path
 
 
-def plot_runs(summaries: list, runs: dict, folder: str) -> list:
-    """map.png, mech-CELL.png per cell and acc-WORKFLOW-TASK[-lr].png per workflow and task."""
-    os.makedirs(folder, exist_ok=True)
-    cell_list = cells(summaries)
-    written = [plot_map(cell_list, os.path.join(folder, "map.png"))]
-    for c in cell_list:
-        group = [(s, runs[s["run"]]) for s in summaries if tuple(s.get(k) for k in CELL_KEYS) == tuple(c[k] for k in CELL_KEYS)]
-        name = "mech-" + _slug(c["workflow"], c["task"], _scale(c["scale"]), c["sharing"], c["lr"] and f"lr{_lr(c['lr'])}") + ".png"
-        written.append(plot_cell(c, group, os.path.join(folder, name)))
-    overlays = defaultdict(lambda: defaultdict(list))
+def _lr_slug(lr):
+    return lr and f"lr{_lr(lr)}"
+
+
+def _cell_figures(summaries: list, runs: dict, folder: str) -> list:
+    """mech-WORKFLOW-TASK-SCALE-SHARING-lrLR.png for every cell."""
+    written = []
+    for c in cells(summaries):
+        key = tuple(c[k] for k in CELL_KEYS)
+        group = [(s, runs[s["run"]]) for s in summaries if tuple(s.get(k) for k in CELL_KEYS) == key]
+        name = "mech-" + _slug(c["workflow"], c["task"], _scale(c["scale"]), c["sharing"], _lr_slug(c["lr"]))
+        written.append(plot_cell(c, group, os.path.join(folder, name + ".png")))
+    return written
+
+
+def _overlay_figures(summaries: list, runs: dict, folder: str) -> list:
+    """acc-WORKFLOW-TASK-SCALE-lrLR.png: each sharing mode of a workflow, task and lr."""
+    groups = defaultdict(lambda: defaultdict(list))
     for s in summaries:
-        overlays[(s["workflow"], s["task"], s["scale"], s["lr"])][s["sharing"]].append((s, runs[s["run"]]))
-    for (wf, task, scale, lr), groups in sorted(overlays.items(), key=lambda kv: _order((*kv[0][:3], None, kv[0][3]))):
+        groups[(s["workflow"], s["task"], s["scale"], s["lr"])][s["sharing"]].append((s, runs[s["run"]]))
+    written = []
+    for (wf, task, scale, lr), by_sharing in sorted(groups.items(), key=lambda kv: _order((*kv[0][:3], None, kv[0][3]))):
         title = ", ".join(str(x) for x in (wf, task) if x) + (f", lr {_lr(lr)}" if lr is not None else "")
-        title += ": " + " vs ".join(str(g).capitalize() for g in sorted(groups, key=_sharing_order))
-        name = "acc-" + _slug(wf, task, _scale(scale), lr and f"lr{_lr(lr)}") + ".png"
-        written.append(plot_overlay(title, groups, os.path.join(folder, name)))
+        title += ": " + " vs ".join(str(g).capitalize() for g in sorted(by_sharing, key=_sharing_order))
+        name = "acc-" + _slug(wf, task, _scale(scale), _lr_slug(lr))
+        written.append(plot_overlay(title, by_sharing, os.path.join(folder, name + ".png")))
+    return written
+
+
+def plot_runs(summaries: list, runs: dict, folder: str) -> list:
+    """The cross-run figures into `folder`: map.png, one mech-*.png per cell, one acc-*.png
+    per workflow, task and lr. Returns the paths written."""
+    os.makedirs(folder, exist_ok=True)
+    written = [plot_map(cells(summaries), os.path.join(folder, "map.png"))]
+    written += _cell_figures(summaries, runs, folder) + _overlay_figures(summaries, runs, folder)
     return [p for p in written if p]
 
 
@@ -1304,13 +1322,18 @@ def _cells_section(summaries: list) -> list:
 
 
 def _pre_cliff_section(summaries: list) -> list:
+    rows = pre_cliff_rows(summaries)
+    if not rows:
+        return ["## Before the cliff", "", "No run has a terminal cliff.", ""]
     return ["## Before the cliff", "", "For each run with a cliff: means over the training steps since the "
-            "evaluation before the cliff step (just before) against every step before those (earlier). "
-            f"Coherence rises in {_rises(summaries, 'coherence')} cliff runs and some role's gradient norm in "
-            f"{_rises(summaries, 'grad_norm')}.", "", md_table(PRE_CLIFF_HEADERS, pre_cliff_rows(summaries)), ""]
+            "evaluation before the cliff step, or the last --pre-cliff-steps (just before), against every step "
+            f"before those (earlier). Coherence rises in {_rises(summaries, 'coherence')} cliff runs and some "
+            f"role's gradient norm in {_rises(summaries, 'grad_norm')}.", "", md_table(PRE_CLIFF_HEADERS, rows), ""]
 
 
 def _capture_section(summaries: list) -> list:
+    if not capture_rows(summaries):
+        return ["## Capture under Shared", "", "No Shared run with a dominant role.", ""]
     return ["## Capture under Shared", "", "The dominant role (largest gradient-mass share in the most steps) of "
             "each Shared run: its length in tokens (metrics.jsonl) and its parse-fail and code-block rates "
             "(eval.jsonl), first tenth -> last tenth of the records.", "",
@@ -1404,6 +1427,8 @@ def resolve_checkpoint(path: str) -> tuple:
     """(checkpoint folder, its run folder, a note or None) for RUN/ckpt-N, or for a run folder
     RUN (its ckpt-best, else its ckpt-last); ValueError in one line for anything else."""
     path = os.path.normpath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"--checkpoint {path}: no such folder; pass a run folder RUN, or RUN/ckpt-best or RUN/ckpt-last")
     if _is_checkpoint(path):
         return path, os.path.dirname(path), None
     if os.path.isfile(os.path.join(path, "config.json")):
