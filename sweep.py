@@ -179,9 +179,9 @@ def parse_args(argv=None):
                    help="cells run at once (default: the usable cores, here %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing, write nothing")
     # --- the report
-    p.add_argument("--cliff-drop", type=float, default=10.0,
+    p.add_argument("--cliff-drop", type=float, default=evaluation.CLIFF_DROP,
                    help="eval.py's cliff threshold (points) for the report (default: %(default)s)")
-    p.add_argument("--cliff-window", type=int, default=3,
+    p.add_argument("--cliff-window", type=int, default=evaluation.CLIFF_WINDOW,
                    help="eval.py's cliff window for the report (default: %(default)s)")
     args = p.parse_args(argv)
 
