@@ -12,25 +12,13 @@ import grpo
 import toy
 import train
 import workflows
+from conftest import save_tiny_toy_model
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A random 2-layer Qwen3 with the toy tokenizer, saved like a hub checkpoint (no warm start)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    folder = str(tmp_path_factory.mktemp("tiny-toy"))
-    tok = toy.build_tokenizer()
-    torch.manual_seed(0)
-    stops = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=stops, pad_token_id=stops[1])
-    model = Qwen3ForCausalLM(cfg)
-    model.generation_config.eos_token_id = stops
-    model.generation_config.pad_token_id = stops[1]
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny_toy_model(tmp_path_factory.mktemp("tiny-toy"))
 
 
 def argv(model_dir, out, *extra, task="math", steps=2):

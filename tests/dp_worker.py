@@ -1,0 +1,85 @@
+"""A worker for tests/test_parallel.py: one GRPO update of a tiny policy on fixed samples,
+as one process (all samples) or as a torchrun rank (its share), written to OUT/rank{R}.pt.
+
+    python tests/dp_worker.py OUT SHARING                 # one process, every sample
+    torchrun --nproc-per-node 2 tests/dp_worker.py OUT SHARING
+    torchrun --nproc-per-node 2 tests/dp_worker.py OUT fail MODEL   # train.py; rank 1 raises
+
+The ranks hold unequal numbers of calls per role; one process holds rank 0's samples, then
+rank 1's, which is the global order the ranks cut their mini-batches from.
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo  # noqa: E402
+import parallel  # noqa: E402
+import policies  # noqa: E402
+from conftest import tiny_qwen3  # noqa: E402
+
+# (generator rows, aggregator rows) held by each rank
+SHARES = [(7, 1), (2, 3)]
+
+
+def samples_of(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    n_gen, n_agg = SHARES[rank]
+    out = []
+    for k in range(n_gen + n_agg):
+        role, slot = ("generator", f"generator{k % 3}") if k < n_gen else ("aggregator", "aggregator")
+        prompt = torch.randint(3, 60, (2 + k % 4,), generator=g).tolist()
+        completion = torch.randint(3, 60, (1 + (k * 3) % 5,), generator=g).tolist()
+        adv = 0.0 if k % 4 == 3 else float(torch.randn(1, generator=g))   # some rows skip
+        out.append(grpo.Sample(role, slot, f"p{rank}-{k // 3}", prompt, completion, [], True, 1.0, adv))
+    return out
+
+
+def fail_in_train(out, model):
+    """train.py under torchrun, with rank 1 raising in its first update while rank 0 goes on
+    into the next collective."""
+    import train
+    from torch.distributed.elastic.multiprocessing.errors import record
+    real = grpo.update
+
+    def update(*a, **k):
+        if os.environ["RANK"] == "1":
+            raise RuntimeError("rank 1 failed on purpose")
+        return real(*a, **k)
+    grpo.update = update
+    record(train.main)(["--scale", model, "--data", "toy_math", "--workflow", "single", "--steps", "3",
+                        "--problems-per-step", "2", "--group-size", "2", "--max-new-tokens", "4",
+                        "--eval-problems", "2", "--lora-rank", "2", "--device", "cpu", "--quiet", "--out", out])
+
+
+def main(out, sharing):
+    if sharing == "fail":
+        return fail_in_train(out, sys.argv[3])
+    comm = parallel.init("cpu")
+    torch.manual_seed(0)
+    pol = policies.Policy(tiny_qwen3(seed=0), None, ("generator", "aggregator"), sharing, rank=4, alpha=8)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # B != 0, so gradients reach A as well
+        for name in pol.names:
+            for p in pol.parameters_of(name):
+                p.normal_(0, 0.1, generator=g)
+    samples = samples_of(comm.rank) if comm else samples_of(0) + samples_of(1)
+    opts, scheds = grpo.make_optimizers(pol, lr=1e-2, warmup_steps=0, total_steps=10)
+    applied = []   # the gradient of every optimizer step, as it is applied
+    for name, o in opts.items():
+        def step(*a, _real=o.step, _name=name, **k):
+            applied.append((_name, grpo.flat_grad(pol.parameters_of(_name)).clone()))
+            return _real(*a, **k)
+        o.step = step
+    damp = grpo.CoherenceDamp({"generator": 0.5}, window=2)
+    stats = [grpo.update(pol, opts, scheds, samples, temperature=0.7, mini_batch=4, token_budget=24,
+                         damp=damp, comm=comm)]
+    rank = comm.rank if comm else 0
+    torch.save({"params": {n: [p.detach().clone() for p in pol.parameters_of(n)] for n in pol.names},
+                "stats": stats, "applied": applied}, os.path.join(out, f"rank{rank}.pt"))
+    parallel.close(comm)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

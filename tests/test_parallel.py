@@ -1,0 +1,97 @@
+"""Data parallelism on CPU with gloo (no GPU): 2 torchrun ranks against 1 process.
+
+- the same samples split over 2 ranks (unequal calls per role) give the same adapters after
+  two updates, and the same per-role and per-slot diagnostics, as 1 process holding them all;
+- a 2-rank toy run of train.py writes one well-formed run folder, and --resume continues it;
+- a rank that raises ends the job non-zero within a bounded time, naming the rank and why.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import save_tiny_toy_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "dp_worker.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+
+
+def rel(a, b):
+    """Relative difference of two vectors, fp32 rounding being ~1e-7."""
+    return float((a - b).norm() / a.norm().clamp(min=1e-30))
+
+
+def torchrun(*args, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("sharing", ["shared", "isolated"])
+def test_two_ranks_update_like_one_process(tmp_path, sharing):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    r = subprocess.run([sys.executable, WORKER, str(one), sharing], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = torchrun(WORKER, str(two), sharing)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref, ranks = torch.load(one / "rank0.pt"), [torch.load(two / f"rank{k}.pt") for k in (0, 1)]
+    for res in ranks:   # every rank applied the same gradients and holds the same weights as one process
+        assert [n for n, _ in res["applied"]] == [n for n, _ in ref["applied"]] and len(ref["applied"]) > 2
+        for (_, a), (_, b) in zip(ref["applied"], res["applied"]):
+            assert rel(a, b) < 1e-6
+        for name, params in ref["params"].items():
+            assert rel(torch.cat([p.flatten() for p in params]), torch.cat([p.flatten() for p in res["params"][name]])) < 1e-6
+    for s_ref, s_two in zip(ref["stats"], ranks[0]["stats"]):
+        for name, a in s_ref["adapters"].items():
+            assert s_two["adapters"][name] == pytest.approx(a, rel=1e-5)
+        for role, q in s_ref["roles"].items():
+            for key in ("n", "len", "skipped", "grad_norm", "grad_share", "grad_norm_opt", "grad_norm_opt_max",
+                        "opt_steps", "clip_frac", "ratio_mean", "entropy"):
+                assert s_two["roles"][role][key] == pytest.approx(q[key], rel=1e-5, abs=1e-9), (role, key)
+        for slot, q in s_ref["slots"].items():
+            assert s_two["slots"][slot] == pytest.approx(q, rel=1e-5, abs=1e-9)
+        assert s_two["coherence"] == pytest.approx(s_ref["coherence"], rel=1e-5)
+    assert ranks[0]["stats"][0]["roles"]["generator"]["damp_scale"] < 1.0  # damping saw the global gradient
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_a_two_rank_toy_run_writes_one_run_folder_and_resumes(tmp_path):
+    model = save_tiny_toy_model(tmp_path / "model")
+    out = tmp_path / "run"
+    flags = ["--scale", str(model), "--data", "toy_math", "--workflow", "voting", "--sharing", "isolated", "--problems-per-step", "3",
+             "--group-size", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "120", "--eval-problems", "5",
+             "--eval-every", "1", "--lora-rank", "2", "--lr", "1e-2", "--warmup-steps", "1", "--device", "cpu",
+             "--quiet", "--out", str(out)]
+    r = torchrun("train.py", *flags, "--steps", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("done:") == 1 and r.stdout.count("config:") == 1     # rank 0 alone speaks
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    evals = read_jsonl(out / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 1, 2] and all(e["n"] == 5 for e in evals)  # both shares merged
+    m = read_jsonl(out / "metrics.jsonl")[0]
+    assert m["roles"]["generator"]["n"] == 3 * 2 * 3 and m["roles"]["aggregator"]["n"] == 3 * 2   # global counts
+    st = torch.load(out / "ckpt-last" / "state.pt", weights_only=False)
+    assert st["step"] == 2 and len(st["ranks"]) == 2
+    os.remove(out / "done")
+    r = torchrun("train.py", "--resume", str(out), "--steps", "3", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3] and (out / "done").exists()
+
+
+def test_a_failing_rank_ends_the_job_and_is_named(tmp_path):
+    model = save_tiny_toy_model(tmp_path / "model")
+    t0 = time.time()
+    r = torchrun(WORKER, str(tmp_path / "run"), "fail", model, timeout=150)
+    assert r.returncode != 0 and time.time() - t0 < 150
+    summary = r.stderr[r.stderr.index("Root Cause"):]      # torchrun's summary of the failure
+    assert re.search(r"rank\s*: 1 ", summary) and "rank 1 failed on purpose" in summary
