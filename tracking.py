@@ -83,7 +83,8 @@ def _open_tensorboard(folder: str, config: dict, purge_step):
 
 
 class Tracker:
-    """`log` flattens a record and hands its numbers to the backend; `close` flushes."""
+    """`log` flattens a record and hands its numbers to the backend; after `close` every
+    number is on disk (and, for online W&B, sent)."""
 
     def __init__(self, kind: str, run=None):
         self.kind, self.run = kind, run
@@ -98,7 +99,9 @@ class Tracker:
 
     def close(self):
         if self.kind == "wandb":
+            import wandb
             self.run.finish()
+            wandb.teardown()  # finish() can return before the local run file is written out
         elif self.kind == "tensorboard":
             self.run.close()
 
@@ -106,14 +109,16 @@ class Tracker:
 def open_tracker(kind: str, folder: str, config: dict, resume_step: int | None = None) -> Tracker:
     """A tracker for the run in `folder` with its resolved `config` (vars(args)).
 
-    `resume_step`: on --resume, the step of the checkpoint the run continues from. TensorBoard
-    then hides what the stopped run logged after it (those steps are logged again); W&B keeps its
-    rows and ignores steps logged a second time (it takes steps only in increasing order)."""
+    `resume_step`: on --resume, the step of the checkpoint the run continues from (0 when it had
+    none and starts over). TensorBoard then hides what the stopped run logged after it, since
+    those steps are logged again; W&B keeps its rows and drops steps logged a second time (it
+    takes steps only in increasing order), which a resume that reproduces the run makes equal."""
     if kind not in KINDS:
         raise ValueError(f"--log-to {kind!r}: expected one of {', '.join(KINDS)}")
     os.makedirs(folder, exist_ok=True)
     if kind == "wandb":
         return Tracker(kind, _open_wandb(folder, config))
     if kind == "tensorboard":
-        return Tracker(kind, _open_tensorboard(folder, config, None if resume_step is None else resume_step + 1))
+        purge = None if resume_step is None else resume_step + 1 if resume_step else 0
+        return Tracker(kind, _open_tensorboard(folder, config, purge))
     return Tracker(kind)

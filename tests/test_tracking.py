@@ -60,6 +60,23 @@ def test_tensorboard_event_file_holds_the_logged_numbers(tmp_path):
     assert json.loads(text.strip("`\n")) == CONFIG
 
 
+def test_tensorboard_resume_without_a_checkpoint_starts_over(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is a test requirement (pip install tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run = str(tmp_path / "run")
+    tr = tracking.open_tracker("tensorboard", run, CONFIG)
+    tr.log({**EVAL, "acc": 0.0}, 0, prefix="eval")
+    tr.log(STEP1, 1)
+    tr.close()
+    tr = tracking.open_tracker("tensorboard", run, CONFIG, resume_step=0)  # stopped before step 1's checkpoint
+    tr.log({**EVAL, "acc": 0.0}, 0, prefix="eval")
+    tr.close()
+    acc = EventAccumulator(os.path.join(run, "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("eval/acc")] == [(0, 0.0)]
+    assert acc.Scalars("reward") == []  # the tag stays listed, its points are gone
+
+
 def wandb_records(path):
     """Records of a .wandb file: W&B's log format (7-byte header, 32 KiB blocks of chunks with a
     7-byte crc/length/type header each), every record one wandb_internal_pb2.Record."""
