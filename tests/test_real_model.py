@@ -27,14 +27,13 @@ def read_jsonl(path):
 def test_one_voting_step_on_smollm2(smollm2_folder, tmp_path, monkeypatch):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
-    rendered = []  # (messages, prompt ids) of every call the run makes
+    render, rendered = rollout.render, []  # (messages, prompt ids) of every call the run makes
 
     def recording_render(tokenizer, messages, max_prompt_tokens=None):
         out = render(tokenizer, messages, max_prompt_tokens)
         rendered.append((messages, out[0]))
         return out
-    render = rollout.render
-    monkeypatch.setattr(rollout, "render", recording_render)
+    monkeypatch.setattr(rollout, "render", recording_render)  # make_llm looks it up per call
 
     out = tmp_path / "run"
     # rank 8 and one optimizer step keep the update small; the rest are the sizes
