@@ -33,6 +33,7 @@ stopped (the problems of step k and every RNG state are restored, not re-drawn).
 """
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -223,6 +224,9 @@ def check_args(ap, args):
         ap.error("--temperature must be >= 0")
     if not 0 < args.top_p <= 1:
         ap.error("--top-p must be in (0, 1]")
+    package = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(args.log_to)
+    if package and importlib.util.find_spec(package) is None:  # before minutes of model loading
+        ap.error(f"--log-to {args.log_to} needs the {package} package: pip install {package}")
     if args.kv_budget_gb is not None and args.kv_budget_gb <= 0:
         ap.error("--kv-budget-gb must be > 0")
     if any(not 0 <= v <= 1 for v in args.coherence_damp.values()):
@@ -664,7 +668,11 @@ def start_run(args, comm):
         sys.exit(130)
     if args.log_to != "none" and run.main:
         import tracking
-        run.tracker = tracking.open_tracker(args.log_to, args.out, vars(args), resume=bool(args.resume))
+        try:
+            run.tracker = tracking.open_tracker(args.log_to, args.out, vars(args),
+                                                resume_step=run.start if args.resume else None)
+        except RuntimeError as e:
+            fail(str(e))
     if run.start == 0:
         first_eval(run)
     return run
@@ -720,6 +728,8 @@ def main(argv=None):
             if stopping:
                 bar.close()
                 if run.main:
+                    if run.tracker is not None:
+                        run.tracker.close()
                     print(f"interrupted: saved {args.out}/ckpt-last at step {step}; continue with --resume {args.out}")
                 parallel.close(comm)
                 sys.exit(130)
