@@ -640,15 +640,18 @@ def _role_sums(samples, idx, live, old, ent, log, role) -> list:
 
 
 def _role_summary(s: dict, log, role, total_norm, kl: bool) -> dict:
-    t = max(s["tokens"], 1.0)
+    """The role's metrics from its summed numbers; a token statistic of a role none of whose
+    rows ran (every advantage 0) is None, not 0."""
+    t = s["tokens"] or None
     norm, opt = log.role_norm.get(role, 0.0), log.opt_norms.get(role, [])
     r = {"n": int(s["n"]), "len": s["toks"] / s["n"], "skipped": int(s["skipped"]), "trunc_frac": s["trunc"] / s["n"],
          "grad_norm": norm, "grad_share": norm / total_norm if total_norm > 0 else 0.0,
          "grad_norm_opt": sum(opt) / len(opt) if opt else 0.0, "grad_norm_opt_max": max(opt, default=0.0),
-         "clip_frac": s["clipped"] / t, "ratio_mean": s["ratio"] / t, "entropy": s["ent"] / max(s["ent_n"], 1),
-         "logprob_gap": s["gap"] / s["gap_n"] if s["gap_n"] else 0.0, "opt_steps": log.opt_steps[role]}
+         "clip_frac": t and s["clipped"] / t, "ratio_mean": t and s["ratio"] / t,
+         "entropy": s["ent"] / s["ent_n"] if s["ent_n"] else None,
+         "logprob_gap": s["gap"] / s["gap_n"] if s["gap_n"] else None, "opt_steps": log.opt_steps[role]}
     if kl:
-        r["kl"] = s["kl"] / t
+        r["kl"] = t and s["kl"] / t
     if log.damp.get(role):
         r["damp_cos"] = sum(c for c, _ in log.damp[role]) / len(log.damp[role])
         r["damp_scale"] = sum(s for _, s in log.damp[role]) / len(log.damp[role])

@@ -62,7 +62,7 @@ RESUMABLE = ("resume", "steps", "device", "quiet", "log_to", "kv_budget_gb")
 
 def scale_default(name):
     toy, paper = SCALE_DEFAULTS[name]
-    return f" (default: {toy} at --scale toy, {paper if paper is not None else 'per task'} otherwise)"
+    return f" (default: {toy} at --scale toy, {paper if paper is not None else 'all of the test split'} otherwise)"
 
 
 def _per_task(d):
@@ -128,7 +128,7 @@ def build_parser():
     ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha" + scale_default("lora_alpha"))
     # --- evaluation and logging
     ap.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (0: only at start and end)" + scale_default("eval_every"))
-    ap.add_argument("--eval-problems", type=int, default=None, help="held-out problems per evaluation" + scale_default("eval_problems") + "; all of the test split otherwise")
+    ap.add_argument("--eval-problems", type=int, default=None, help="held-out problems per evaluation" + scale_default("eval_problems"))
     ap.add_argument("--samples-every", type=int, default=10, help="write transcripts of 2 episodes every N steps (0: never) (default: %(default)s)")
     ap.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (0: only at the end) (default: %(default)s)")
     ap.add_argument("--log-to", default="none", choices=["none", "wandb", "tensorboard"],
@@ -594,7 +594,7 @@ def step_line(step, steps, m, last_acc):
     fmt = lambda key, f: " ".join(f"{short[r]} {roles[r].get(key, 0):{f}}" for r in roles)  # noqa: E731
     acc = "  -  " if last_acc is None else f"{last_acc:.3f}"
     return (f"step {step:4d}/{steps} | reward {m['reward']:.3f} | eval {acc} | len {fmt('len', '.1f')} | "
-            f"clip {max((q.get('clip_frac', 0) for q in roles.values()), default=0):.3f} | "
+            f"clip {max((q.get('clip_frac') or 0 for q in roles.values()), default=0):.3f} | "
             f"gnorm {fmt('grad_norm', '.3f')} | {m['tokens_per_s']:.0f} tok/s | {m['time']['step']:.1f}s")
 
 
