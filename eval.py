@@ -346,7 +346,7 @@ def _warn(msg: str, quiet: bool = False):
         print(f"warning: {msg}", file=sys.stderr)
 
 
-def _is_num(x) -> bool:
+def is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -366,7 +366,7 @@ def read_jsonl(path: str, required: tuple = (), quiet: bool = False) -> list:
             except json.JSONDecodeError:
                 _warn(f"{path}:{no}: not valid JSON (a torn line from a killed run?); skipped", quiet)
                 continue
-            missing = [k for k in required if not (isinstance(rec, dict) and _is_num(rec.get(k)))]
+            missing = [k for k in required if not (isinstance(rec, dict) and is_num(rec.get(k)))]
             if not isinstance(rec, dict) or missing:
                 what = "not a JSON object" if not isinstance(rec, dict) else f"no numeric {', '.join(missing)}"
                 needs = f" (the analysis needs {', '.join(required)})" if required else ""
@@ -376,7 +376,7 @@ def read_jsonl(path: str, required: tuple = (), quiet: bool = False) -> list:
     return out
 
 
-def _read_config(folder: str, quiet: bool = False) -> dict:
+def read_config(folder: str, quiet: bool = False) -> dict:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         return {}
@@ -396,7 +396,7 @@ def load_run(folder: str, quiet: bool = False) -> dict:
         last = {r["step"]: r for r in records}
         return [last[s] for s in sorted(last)]
 
-    return {"folder": folder, "config": _read_config(folder, quiet),
+    return {"folder": folder, "config": read_config(folder, quiet),
             "metrics": by_step(read_jsonl(os.path.join(folder, "metrics.jsonl"), ("step",), quiet)),
             "evals": by_step(read_jsonl(os.path.join(folder, "eval.jsonl"), ("step", "acc"), quiet)),
             "finished": os.path.isfile(os.path.join(folder, "done"))}
@@ -409,7 +409,7 @@ def is_run_folder(path: str) -> bool:
         return False
     if any(os.path.isfile(os.path.join(path, f)) for f in ("metrics.jsonl", "eval.jsonl")):
         return True
-    return "workflow" in _read_config(path, quiet=True)
+    return "workflow" in read_config(path, quiet=True)
 
 
 def run_folders(paths: list) -> tuple:
@@ -458,7 +458,7 @@ def accuracy_summary(evals: list, cliff_drop: float = CLIFF_DROP, cliff_window: 
 
     `evals` are eval.jsonl records sorted by step; `cliff_drop` is in percentage points.
     tail_mean is the mean of the last `cliff_window` evaluations."""
-    pts = [(r["step"], float(r["acc"])) for r in evals if _is_num(r.get("acc"))]
+    pts = [(r["step"], float(r["acc"])) for r in evals if is_num(r.get("acc"))]
     out = {"n_evals": len(pts), "base_acc": None, "peak_acc": None, "peak_step": None,
            "final_acc": None, "final_step": None, "gain_final": None, "gain_peak": None,
            "tail_mean": None, "cliff_line": None, "cliff": False, "cliff_step": None}
@@ -483,24 +483,24 @@ def accuracy_summary(evals: list, cliff_drop: float = CLIFF_DROP, cliff_window: 
 
 # ----------------------------------------------------------------------------- mechanisms
 
-def _role_series(metrics: list, key: str) -> dict:
+def role_series(metrics: list, key: str) -> dict:
     """{role: [(step, value)]} for metrics[*]["roles"][role][key], skipping missing values."""
     out = defaultdict(list)
     for rec in metrics:
         for role, d in (rec.get("roles") or {}).items():
             v = d.get(key) if isinstance(d, dict) else None
-            if _is_num(v):
+            if is_num(v):
                 out[role].append((rec["step"], float(v)))
     return dict(out)
 
 
-def _keyed_series(records: list, key: str) -> dict:
+def keyed_series(records: list, key: str) -> dict:
     """{role: [(step, value)]} for records[*][key][role] (coherence; eval.jsonl's per-role rates)."""
     out = defaultdict(list)
     for rec in records:
         d = rec.get(key)
         for role, v in (d.items() if isinstance(d, dict) else ()):
-            if _is_num(v):
+            if is_num(v):
                 out[role].append((rec["step"], float(v)))
     return dict(out)
 
@@ -510,7 +510,7 @@ def _slot_cos_series(metrics: list) -> dict:
     out = defaultdict(list)
     for rec in metrics:
         for role, pairs in (rec.get("slot_cos") or {}).items():
-            vals = [float(v) for v in (pairs or {}).values() if _is_num(v)]
+            vals = [float(v) for v in (pairs or {}).values() if is_num(v)]
             if vals:
                 out[role].append((rec["step"], sum(vals) / len(vals)))
     return dict(out)
@@ -518,7 +518,7 @@ def _slot_cos_series(metrics: list) -> dict:
 
 def grad_key(metrics: list) -> str:
     """grad_norm_opt (per optimizer step) when the run logged it, else grad_norm (per step)."""
-    return "grad_norm_opt" if _role_series(metrics, "grad_norm_opt") else "grad_norm"
+    return "grad_norm_opt" if role_series(metrics, "grad_norm_opt") else "grad_norm"
 
 
 def _means(series: dict) -> dict:
@@ -547,7 +547,7 @@ def _longest_streak(seq: list, item) -> int:
 
 def _shares(rec: dict) -> dict:
     shares = {r: v.get("grad_share") for r, v in (rec.get("roles") or {}).items() if isinstance(v, dict)}
-    return {r: s for r, s in shares.items() if _is_num(s)}
+    return {r: s for r, s in shares.items() if is_num(s)}
 
 
 def _no_gradient(rec: dict) -> bool:
@@ -596,17 +596,17 @@ def sup_gen_ratio(norms: dict):
 def mechanisms(metrics: list, evals: list) -> dict:
     """Role-level dynamics of one run (see the module docstring); every field tolerates gaps."""
     key = grad_key(metrics)
-    norms = _means(_role_series(metrics, key))
-    out = {"grad_norm_key": key, "grad_norm": norms, "grad_norm_step": _means(_role_series(metrics, "grad_norm")),
-           "grad_norm_opt_max": {r: max(v for _, v in s) for r, s in _role_series(metrics, "grad_norm_opt_max").items()},
-           "grad_share": _means(_role_series(metrics, "grad_share")), "grad_ratio_sup_gen": sup_gen_ratio(norms)}
+    norms = _means(role_series(metrics, key))
+    out = {"grad_norm_key": key, "grad_norm": norms, "grad_norm_step": _means(role_series(metrics, "grad_norm")),
+           "grad_norm_opt_max": {r: max(v for _, v in s) for r, s in role_series(metrics, "grad_norm_opt_max").items()},
+           "grad_share": _means(role_series(metrics, "grad_share")), "grad_ratio_sup_gen": sup_gen_ratio(norms)}
     out.update(dominance(metrics))
-    out.update(coherence=_means(_keyed_series(metrics, "coherence")), slot_cos=_means(_slot_cos_series(metrics)),
-               damp_cos=_means(_role_series(metrics, "damp_cos")),
-               damp_scale=_means(_role_series(metrics, "damp_scale")),
-               len_drift=_drifts(_role_series(metrics, "len")),
-               code_block_drift=_drifts(_keyed_series(evals, "code_block_rate")),
-               parse_fail_drift=_drifts(_keyed_series(evals, "parse_fail")))
+    out.update(coherence=_means(keyed_series(metrics, "coherence")), slot_cos=_means(_slot_cos_series(metrics)),
+               damp_cos=_means(role_series(metrics, "damp_cos")),
+               damp_scale=_means(role_series(metrics, "damp_scale")),
+               len_drift=_drifts(role_series(metrics, "len")),
+               code_block_drift=_drifts(keyed_series(evals, "code_block_rate")),
+               parse_fail_drift=_drifts(keyed_series(evals, "parse_fail")))
     return out
 
 
@@ -629,7 +629,7 @@ def before_cliff(metrics: list, evals: list, cliff_step, steps: int | None = Non
             out[role] = [_mean([v for t, v in s if t <= lo]), _mean([v for t, v in s if lo < t <= cliff_step])]
         return out
     return {"steps": [lo + 1, cliff_step], "grad_norm_key": key,
-            "coherence": split(_keyed_series(metrics, "coherence")), "grad_norm": split(_role_series(metrics, key))}
+            "coherence": split(keyed_series(metrics, "coherence")), "grad_norm": split(role_series(metrics, key))}
 
 
 def capture(metrics: list, evals: list, role: str | None) -> dict | None:
@@ -638,9 +638,9 @@ def capture(metrics: list, evals: list, role: str | None) -> dict | None:
     if role is None:
         return None
     pick = lambda series: _tenths([v for _, v in series.get(role, [])])  # noqa: E731
-    return {"role": role, "len": pick(_role_series(metrics, "len")),
-            "parse_fail": pick(_keyed_series(evals, "parse_fail")),
-            "code_block_rate": pick(_keyed_series(evals, "code_block_rate"))}
+    return {"role": role, "len": pick(role_series(metrics, "len")),
+            "parse_fail": pick(keyed_series(evals, "parse_fail")),
+            "code_block_rate": pick(keyed_series(evals, "code_block_rate"))}
 
 
 def _task_label(cfg: dict) -> str | None:
@@ -690,12 +690,12 @@ def _stats(xs: list) -> dict | None:
     return {"mean": m, "sd": sd, "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def _order(key: tuple) -> tuple:
+def cell_order(key: tuple) -> tuple:
     """Cells by task, then workflows in registry order, shared before isolated, lr ascending."""
     wf, task, scale, sharing, lr = key
     wfs = list(workflows.WORKFLOWS)
     return (str(task), wfs.index(wf) if wf in wfs else len(wfs), str(wf), str(scale),
-            _sharing_order(sharing), lr if _is_num(lr) else math.inf)
+            sharing_order(sharing), lr if is_num(lr) else math.inf)
 
 
 def cells(summaries: list) -> list:
@@ -704,7 +704,7 @@ def cells(summaries: list) -> list:
     for s in summaries:
         groups[tuple(s.get(k) for k in CELL_KEYS)].append(s)
     out = []
-    for key in sorted(groups, key=_order):
+    for key in sorted(groups, key=cell_order):
         ss = groups[key]
         c = dict(zip(CELL_KEYS, key), runs=[s["name"] for s in ss], seeds=[s["seed"] for s in ss],
                  n=len(ss), cliffs=sum(s["cliff"] for s in ss))
@@ -713,9 +713,9 @@ def cells(summaries: list) -> list:
     return out
 
 
-def _lr(x) -> str:
+def lr_label(x) -> str:
     """1e-3, 2e-5, 1.5e-3."""
-    if not _is_num(x):
+    if not is_num(x):
         return "-"
     mant, exp = f"{x:.2e}".split("e")
     return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"
@@ -727,11 +727,11 @@ def cell_title(c: dict, seed=True) -> str:
     if seed and c.get("seed") is not None:
         parts.append(f"seed {c['seed']}")
     if c.get("lr") is not None:
-        parts.append(f"lr {_lr(c['lr'])}")
+        parts.append(f"lr {lr_label(c['lr'])}")
     return ", ".join(parts)
 
 
-def _scale(scale) -> str:
+def scale_label(scale) -> str:
     """A scale as train.py names runs: a local model folder by its last part."""
     return os.path.basename(os.path.normpath(scale)) if scale else "-"
 
@@ -791,7 +791,7 @@ def _draw_accuracy(Figure, run: dict, s: dict):
     pts = [(r["step"], 100 * r["acc"]) for r in run["evals"]]
     if not pts:
         return None
-    rew = [(r["step"], 100 * r["reward"]) for r in run["metrics"] if _is_num(r.get("reward"))]
+    rew = [(r["step"], 100 * r["reward"]) for r in run["metrics"] if is_num(r.get("reward"))]
     fig, axes = _panels(Figure, 2 if rew else 1, cell_title(s) + ("" if s["finished"] else " (unfinished)"),
                         ratios=[2.2, 1] if rew else None)
     ax = axes[0]
@@ -830,12 +830,12 @@ def _mechanism_series(metrics: list) -> list:
     """(ylabel, {role: series}) of every mechanism panel over training steps, {} where every
     value is 0; the damping panel's series are {(role, "scale" | "cos"): series}."""
     key = grad_key(metrics)
-    damp = {**{(r, "scale"): s for r, s in _role_series(metrics, "damp_scale").items()},
-            **{(r, "cos"): s for r, s in _role_series(metrics, "damp_cos").items()}}
-    panels = [(_norm_label(key), _role_series(metrics, key)),
-              ("gradient-mass share", _role_series(metrics, "grad_share")),
-              ("slot coherence", _keyed_series(metrics, "coherence")),
-              ("length (tokens)", _role_series(metrics, "len")),
+    damp = {**{(r, "scale"): s for r, s in role_series(metrics, "damp_scale").items()},
+            **{(r, "cos"): s for r, s in role_series(metrics, "damp_cos").items()}}
+    panels = [(_norm_label(key), role_series(metrics, key)),
+              ("gradient-mass share", role_series(metrics, "grad_share")),
+              ("slot coherence", keyed_series(metrics, "coherence")),
+              ("length (tokens)", role_series(metrics, "len")),
               (DAMP_LABEL, damp)]
     return [(ylabel, _nonzero(series)) for ylabel, series in panels]
 
@@ -873,9 +873,9 @@ def _draw_gradients(Figure, run: dict, s: dict):
 
 
 def _draw_outputs(Figure, run: dict, s: dict):
-    panels = [("length (tokens)", _role_series(run["metrics"], "len")),
-              ("code-block rate (eval)", _nonzero(_keyed_series(run["evals"], "code_block_rate"))),
-              ("parse-fail rate (eval)", _nonzero(_keyed_series(run["evals"], "parse_fail")))]
+    panels = [("length (tokens)", role_series(run["metrics"], "len")),
+              ("code-block rate (eval)", _nonzero(keyed_series(run["evals"], "code_block_rate"))),
+              ("parse-fail rate (eval)", _nonzero(keyed_series(run["evals"], "parse_fail")))]
     panels = [p for p in panels if p[1]]
     if not panels:
         return None
@@ -914,7 +914,7 @@ def plot_run(folder: str, cliff_drop: float = CLIFF_DROP, cliff_window: int = CL
 
 # ----------------------------------------------------------------------------- plots across runs
 
-def _sharing_order(sharing) -> int:
+def sharing_order(sharing) -> int:
     return {"shared": 0, "isolated": 1}.get(sharing, 2)
 
 
@@ -939,8 +939,8 @@ def _band_line(ax, series_list: list, color, label, ls="-"):
 
 def _map_label(row: tuple, several_lr: bool, several_scales: bool) -> str:
     wf, scale, sharing, lr = row
-    return " · ".join([str(wf), str(sharing)] + ([f"lr {_lr(lr)}"] if several_lr else [])
-                      + ([_scale(scale)] if several_scales else []))
+    return " · ".join([str(wf), str(sharing)] + ([f"lr {lr_label(lr)}"] if several_lr else [])
+                      + ([scale_label(scale)] if several_scales else []))
 
 
 def _map_text(c: dict) -> tuple:
@@ -986,7 +986,7 @@ def plot_map(cell_list: list, path: str) -> str | None:
     if not gains:
         return None
     at = {(c["task"], c["workflow"], c["scale"], c["sharing"], c["lr"]): c for c in cell_list}
-    rows = sorted({k[1:] for k in at}, key=lambda r: _order((r[0], None, *r[1:])))
+    rows = sorted({k[1:] for k in at}, key=lambda r: cell_order((r[0], None, *r[1:])))
     task_names = sorted({k[0] for k in at}, key=str)
     v = max(max(gains), 1.0)
     norm, cmap = TwoSlopeNorm(0.0, -v, v), colormaps["RdBu"]
@@ -1045,10 +1045,10 @@ def plot_overlay(title: str, groups: dict, path: str) -> str | None:
     per sharing mode; each seed's cliff step marked with a triangle."""
     Figure = _figure_class()
     fig, axes = _panels(Figure, 2, title, ratios=[2.2, 1])
-    for sharing, group in sorted(groups.items(), key=lambda kv: _sharing_order(kv[0])):
+    for sharing, group in sorted(groups.items(), key=lambda kv: sharing_order(kv[0])):
         color = SHARING_COLORS.get(sharing, "tab:gray")
         accs = [[(r["step"], 100 * r["acc"]) for r in run["evals"]] for _, run in group]
-        rews = [[(r["step"], 100 * r["reward"]) for r in run["metrics"] if _is_num(r.get("reward"))] for _, run in group]
+        rews = [[(r["step"], 100 * r["reward"]) for r in run["metrics"] if is_num(r.get("reward"))] for _, run in group]
         _band_line(axes[0], accs, color, f"{sharing} ({len(group)} seed{'s' if len(group) > 1 else ''})")
         _band_line(axes[1], rews, color, sharing)
         for s, run in group:
@@ -1066,7 +1066,7 @@ def plot_overlay(title: str, groups: dict, path: str) -> str | None:
 
 
 def _lr_slug(lr):
-    return lr and f"lr{_lr(lr)}"
+    return lr and f"lr{lr_label(lr)}"
 
 
 def _cell_figures(summaries: list, runs: dict, folder: str) -> list:
@@ -1075,7 +1075,7 @@ def _cell_figures(summaries: list, runs: dict, folder: str) -> list:
     for c in cells(summaries):
         key = tuple(c[k] for k in CELL_KEYS)
         group = [(s, runs[s["run"]]) for s in summaries if tuple(s.get(k) for k in CELL_KEYS) == key]
-        name = "mech-" + _slug(c["workflow"], c["task"], _scale(c["scale"]), c["sharing"], _lr_slug(c["lr"]))
+        name = "mech-" + _slug(c["workflow"], c["task"], scale_label(c["scale"]), c["sharing"], _lr_slug(c["lr"]))
         written.append(plot_cell(c, group, os.path.join(folder, name + ".png")))
     return written
 
@@ -1086,10 +1086,10 @@ def _overlay_figures(summaries: list, runs: dict, folder: str) -> list:
     for s in summaries:
         groups[(s["workflow"], s["task"], s["scale"], s["lr"])][s["sharing"]].append((s, runs[s["run"]]))
     written = []
-    for (wf, task, scale, lr), by_sharing in sorted(groups.items(), key=lambda kv: _order((*kv[0][:3], None, kv[0][3]))):
-        title = ", ".join(str(x) for x in (wf, task) if x) + (f", lr {_lr(lr)}" if lr is not None else "")
-        title += ": " + " vs ".join(str(g).capitalize() for g in sorted(by_sharing, key=_sharing_order))
-        name = "acc-" + _slug(wf, task, _scale(scale), _lr_slug(lr))
+    for (wf, task, scale, lr), by_sharing in sorted(groups.items(), key=lambda kv: cell_order((*kv[0][:3], None, kv[0][3]))):
+        title = ", ".join(str(x) for x in (wf, task) if x) + (f", lr {lr_label(lr)}" if lr is not None else "")
+        title += ": " + " vs ".join(str(g).capitalize() for g in sorted(by_sharing, key=sharing_order))
+        name = "acc-" + _slug(wf, task, scale_label(scale), _lr_slug(lr))
         written.append(plot_overlay(title, by_sharing, os.path.join(folder, name + ".png")))
     return written
 
@@ -1146,7 +1146,7 @@ def run_legend(cliff_drop: float = CLIFF_DROP, cliff_window: int = CLIFF_WINDOW)
 
 def _cell_label(s: dict) -> str:
     sharing = {"shared": "shr", "isolated": "iso"}.get(s["sharing"], s["sharing"] or "-")
-    lr = f"/{_lr(s['lr'])}" if s.get("lr") is not None else ""
+    lr = f"/{lr_label(s['lr'])}" if s.get("lr") is not None else ""
     return f"{s['workflow'] or '-'}/{s['task'] or '-'}/{sharing}{lr}"
 
 
@@ -1162,8 +1162,8 @@ REPORT_RUN_HEADERS = ["run", "workflow", "task", "scale", "sharing", "lr", "seed
 
 
 def report_run_rows(summaries: list) -> list:
-    return [[s["name"], s["workflow"] or "-", s["task"] or "-", _scale(s["scale"]), s["sharing"] or "-",
-             _lr(s["lr"]), _num(s["seed"], "d"), _status(s), _pct(s["base_acc"]), _pct(s["peak_acc"]),
+    return [[s["name"], s["workflow"] or "-", s["task"] or "-", scale_label(s["scale"]), s["sharing"] or "-",
+             lr_label(s["lr"]), _num(s["seed"], "d"), _status(s), _pct(s["base_acc"]), _pct(s["peak_acc"]),
              _num(s["peak_step"], "d"), _pct(s["final_acc"]), _pct(s["gain_final"], True),
              _pct(s["gain_peak"], True), "CLIFF" if s["cliff"] else "no", _num(s["cliff_step"], "d")]
             for s in summaries]
@@ -1230,7 +1230,7 @@ CELL_LEGEND = "accuracy %, mean over seeds (±sd); cliffs = runs with a terminal
 
 def cell_rows(summaries: list, report: bool = False) -> list:
     """One row per (workflow, task, scale, sharing, lr); gains with ±sd (and min..max in the report)."""
-    return [[c["workflow"] or "-", c["task"] or "-", _scale(c["scale"]), c["sharing"] or "-", _lr(c["lr"]),
+    return [[c["workflow"] or "-", c["task"] or "-", scale_label(c["scale"]), c["sharing"] or "-", lr_label(c["lr"]),
              str(c["n"]), *(_stat(c[k], spread=report, rng=report) for k in CELL_STATS[:3]),
              *(_stat(c[k], True, rng=report) for k in CELL_STATS[3:]), f"{c['cliffs']}/{c['n']}"]
             for c in cells(summaries)]
@@ -1442,7 +1442,7 @@ def resolve_checkpoint(path: str) -> tuple:
 def _checkpoint_config(checkpoint: str, run_dir: str) -> dict:
     """How a checkpoint's run was configured: RUN/config.json, with rank and alpha from the
     adapters' own adapter_config.json when there."""
-    cfg = _read_config(run_dir)
+    cfg = read_config(run_dir)
     for name in sorted(os.listdir(checkpoint)):
         path = os.path.join(checkpoint, name, "adapter_config.json")
         if os.path.isfile(path):
