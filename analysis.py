@@ -310,7 +310,7 @@ def dominance(metrics: list) -> dict:
         dom = _most(held)
         out.update(dominant_role=dom, dominant_frac=held.count(dom) / len(held),
                    dominant_streak=_longest_streak(held, dom),
-                   dominant_last=_most(held[-max(1, len(held) // 10):]))  # who holds it at the end
+                   dominant_last=_most(held[-max(1, len(held) // 10):]))
     return out
 
 
