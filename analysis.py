@@ -733,6 +733,8 @@ def figures_folder(report: str) -> str:
     return os.path.splitext(os.path.abspath(report))[0] + "-figures"
 
 
+# ----------------------------------------------------------------------------- analyse: summaries, plots, report
+
 def _write_plots(summaries: list, runs: dict, report: str | None, quiet: bool) -> list:
     """Each run's plots into its folder; with a report, the cross-run figures next to it."""
     import plots  # here, not at the top: plots.py imports this module to read runs
