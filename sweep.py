@@ -54,8 +54,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-import eval as evaluation  # the analysis half of eval.py
-import workflows           # torch-free: the workflow and task names
+import analysis as evaluation  # the run-folder analysis of eval.py --runs: cliff defaults, report, tables
+import workflows               # torch-free: the workflow and task names
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARINGS = ["shared", "isolated"]

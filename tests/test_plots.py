@@ -1,0 +1,87 @@
+"""Tests of plots.py on synthetic run folders (no model): each run's PNGs, the cross-run figures
+next to a report, and what the figures show (titles, panels). Tests that draw are skipped where
+matplotlib is missing.
+
+    python -m pytest -q tests/test_plots.py
+"""
+import os
+
+import pytest
+
+import analysis
+import plots
+from test_analysis import _run_with_metrics, synthetic_run, synthetic_sweep, write_run
+
+
+# ----------------------------------------------------------------------------- each run's plots
+
+def test_plots_written_and_not_empty(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install matplotlib)")
+    run = _run_with_metrics(tmp_path, "fall", [0.2, 0.4, 0.6, 0.3, 0.2, 0.1])
+    paths = plots.plot_run(run)
+    assert sorted(os.path.basename(p) for p in paths) == sorted(plots.PLOT_NAMES)
+    for p in paths:
+        with open(p, "rb") as f:
+            head = f.read(8)
+        assert head == b"\x89PNG\r\n\x1a\n" and os.path.getsize(p) > 2000
+    # a run with evaluations but no gradient metrics gets only its accuracy plot
+    bare = write_run(tmp_path, "bare", [0.2, 0.3], metrics=[])
+    assert [os.path.basename(p) for p in plots.plot_run(bare)] == ["acc.png"]
+    # a plot that now has nothing to show does not stay behind from an earlier analysis
+    open(os.path.join(bare, "grad.png"), "wb").close()
+    plots.plot_run(bare)
+    assert not os.path.exists(os.path.join(bare, "grad.png"))
+
+
+def test_figures_name_the_cell_give_the_reward_its_own_panel_and_drop_empty_panels(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install matplotlib)")
+    from matplotlib.figure import Figure
+    for task, has_code in (("math", False), ("code", True)):
+        folder = synthetic_run(tmp_path, "voting", task, "isolated", seed=3, lr=2e-3, steps=10)
+        run, s = analysis.load_run(folder), analysis.analyse_run(folder)
+        acc = plots._draw_accuracy(Figure, run, s)
+        assert acc.get_suptitle() == f"voting, {task}, isolated, seed 3, lr 2e-3"
+        assert [ax.get_ylabel() for ax in acc.axes] == ["eval accuracy (%)", "train reward (%)"]
+        outputs = [ax.get_ylabel() for ax in plots._draw_outputs(Figure, run, s).axes]
+        assert ("code-block rate (eval)" in outputs) is has_code  # all zero on math: no panel
+        assert "parse-fail rate (eval)" in outputs
+
+
+def test_damping_fields_are_summarised_and_get_a_panel(tmp_path):
+    run = synthetic_run(tmp_path, sharing="shared", damp=True, steps=10)
+    m = analysis.analyse_run(run)["mechanisms"]
+    assert m["damp_cos"]["generator"] == pytest.approx(0.3 + 0.01 * 5.5)
+    assert m["damp_scale"]["generator"] == pytest.approx(1 - 0.5 * (0.3 + 0.01 * 5.5))
+    panels = lambda r: [y for y, ser in plots._mechanism_series(analysis.load_run(r)["metrics"]) if ser]  # noqa: E731
+    assert plots.DAMP_LABEL in panels(run)
+    assert plots.DAMP_LABEL not in panels(synthetic_run(tmp_path, sharing="shared", steps=10, name="plain"))
+
+
+# ----------------------------------------------------------------------------- figures across runs
+
+def _is_png(path):
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 5000
+
+
+def test_report_and_figures_from_a_synthetic_sweep(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install matplotlib)")
+    root = tmp_path / "runs"
+    folders = synthetic_sweep(root, tasks=("math",), wfs=("voting",), lrs=(1e-3, 2e-3), seeds=(0, 1))
+    folders.append(synthetic_run(root, "eval_opt", "code", "isolated", steps=20))
+    report = str(root / "report.md")
+    summaries, figures = analysis.analysis(folders, report=report, quiet=True)
+    names = sorted(os.path.basename(p) for p in figures)
+    assert names == sorted(["map.png", "acc-voting-math-toy-lr1e-3.png", "acc-voting-math-toy-lr2e-3.png",
+                            "acc-eval_opt-code-toy-lr1e-3.png", "mech-eval_opt-code-toy-isolated-lr1e-3.png"]
+                           + [f"mech-voting-math-toy-{sh}-lr{lr}.png" for sh in ("shared", "isolated")
+                              for lr in ("1e-3", "2e-3")])
+    assert all(os.path.dirname(p) == str(root / "report-figures") and _is_png(p) for p in figures)
+    assert all(len(s["plots"]) == 3 and all(_is_png(p) for p in s["plots"]) for s in summaries)
+    text = open(report).read()
+    for section in ("## Map", "## Cells", "## Shared against Isolated", "## Before the cliff",
+                    "## Capture under Shared", "## Mechanisms", "## Mechanisms per cell", "## Runs"):
+        assert section in text
+    assert "| voting | math | toy | isolated | 2e-3 | 2 |" in text and "| 1/2 |" in text
+    assert "Coherence rises in 1 of 1 cliff runs" in text
+    assert text.index("## Map") < text.index("## Cells") < text.index("## Before the cliff")
