@@ -32,8 +32,9 @@ Choices:
   config.json but no `done` (the same command plus `--resume OUT/NAME`), and starts the rest.
 - A cell that fails (non-zero exit) is reported with its exit status and the last lines of its
   log, and the others go on; the exit status is then 1.
-- At the end eval.py's analysis writes OUT/report.md (and the plots into each cell's folder)
-  over every cell folder that exists; the run table and the wall time are printed.
+- At the end the analysis (analysis.py, as `eval.py --runs`) writes OUT/report.md (and the
+  plots into each cell's folder) over every cell folder that exists; the run table and the
+  wall time are printed.
 - Ctrl-C: the children run in their own session, so the terminal's Ctrl-C reaches the sweep
   only. The first one stops launching cells and forwards one SIGINT to each running cell:
   train.py finishes its step, saves ckpt-last and exits; the sweep waits for them, names the
@@ -54,8 +55,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-import analysis as evaluation  # the run-folder analysis of eval.py --runs: cliff defaults, report, tables
-import workflows               # torch-free: the workflow and task names
+import analysis   # the run-folder analysis (eval.py --runs): cliff defaults, report, tables
+import workflows  # torch-free: the workflow and task names
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARINGS = ["shared", "isolated"]
@@ -179,10 +180,10 @@ def parse_args(argv=None):
                    help="cells run at once (default: the usable cores, here %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing, write nothing")
     # --- the report
-    p.add_argument("--cliff-drop", type=float, default=evaluation.CLIFF_DROP,
-                   help="eval.py's cliff threshold (points) for the report (default: %(default)s)")
-    p.add_argument("--cliff-window", type=int, default=evaluation.CLIFF_WINDOW,
-                   help="eval.py's cliff window for the report (default: %(default)s)")
+    p.add_argument("--cliff-drop", type=float, default=analysis.CLIFF_DROP,
+                   help="the analysis's cliff threshold (points) for the report (default: %(default)s)")
+    p.add_argument("--cliff-window", type=int, default=analysis.CLIFF_WINDOW,
+                   help="the analysis's cliff window for the report (default: %(default)s)")
     args = p.parse_args(argv)
 
     if args.jobs < 1:
@@ -344,8 +345,8 @@ def analyse(args, matrix):
     """OUT/report.md over every cell folder that exists; prints the run table."""
     report = os.path.join(args.out, "report.md")
     folders = [os.path.join(args.out, n) for n, _ in matrix if os.path.isdir(os.path.join(args.out, n))]
-    summaries = evaluation.analyse(folders, args.cliff_drop, args.cliff_window, report=report)
-    print(evaluation.text_table(evaluation.RUN_HEADERS, evaluation.run_rows(summaries)))
+    summaries = analysis.analyse(folders, args.cliff_drop, args.cliff_window, report=report)
+    print(analysis.text_table(analysis.RUN_HEADERS, analysis.run_rows(summaries)))
     print(f"report: {report}")
 
 
