@@ -71,77 +71,93 @@ def _per_task(d):
 
 
 def build_parser():
+    """The flat flag list, in groups that --help shows under their titles."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _what_flags(ap.add_argument_group("what to train"))
+    _rollout_flags(ap.add_argument_group("rollout (rollout.py)"))
+    _optimisation_flags(ap.add_argument_group("optimisation (grpo.py)"))
+    _logging_flags(ap.add_argument_group("evaluation and logging"))
+    _run_flags(ap.add_argument_group("the run"))
+    return ap
+
+
+def _what_flags(g):
+    import workflows  # torch-free: the registry gives the workflow choices
+    g.add_argument("--workflow", default="voting", choices=sorted(workflows.WORKFLOWS),
+                    help="multi-agent workflow (single = one-call control) (default: %(default)s)")
+    g.add_argument("--task", default="math", choices=workflows.TASKS, help="task kind (default: %(default)s)")
+    g.add_argument("--data", default=None, help="data set name (tasks.py) or a .jsonl file "
+                   "(default: toy_math/toy_code at --scale toy, dapo_math/deepcoder otherwise)")
+    g.add_argument("--eval-data", default=None, help="held-out data set or .jsonl file "
+                   "(default: the test split of --data; a .jsonl --data has none, so pass one)")
+    g.add_argument("--scale", default="toy", help="toy, 0.6b, 1.7b, 4b, or a local model folder (default: %(default)s)")
+    g.add_argument("--sharing", default="shared", choices=["shared", "isolated"],
+                    help="shared: one set of trainable weights for all roles; isolated: one per role (default: %(default)s)")
+    g.add_argument("--isolation", default="lora", choices=["lora", "full"],
+                    help="what a role's weights are: a LoRA adapter, or a full copy of the model (default: %(default)s)")
+
+
+def _rollout_flags(g):
     import tasks
     import toy
-    import workflows  # torch-free: the registry gives the workflow choices and role names
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # --- what to train
-    ap.add_argument("--workflow", default="voting", choices=sorted(workflows.WORKFLOWS),
-                    help="multi-agent workflow (single = one-call control) (default: %(default)s)")
-    ap.add_argument("--task", default="math", choices=workflows.TASKS, help="task kind (default: %(default)s)")
-    ap.add_argument("--data", default=None, help="data set name (tasks.py) or a .jsonl file "
-                    "(default: toy_math/toy_code at --scale toy, dapo_math/deepcoder otherwise)")
-    ap.add_argument("--eval-data", default=None, help="held-out data set or .jsonl file "
-                    "(default: the test split of --data; a .jsonl --data has none, so pass one)")
-    ap.add_argument("--scale", default="toy", help="toy, 0.6b, 1.7b, 4b, or a local model folder (default: %(default)s)")
-    ap.add_argument("--sharing", default="shared", choices=["shared", "isolated"],
-                    help="shared: one set of trainable weights for all roles; isolated: one per role (default: %(default)s)")
-    ap.add_argument("--isolation", default="lora", choices=["lora", "full"],
-                    help="what a role's weights are: a LoRA adapter, or a full copy of the model (default: %(default)s)")
-    # --- rollout
-    ap.add_argument("--problems-per-step", type=int, default=None, help="problems per training step" + scale_default("problems_per_step"))
-    ap.add_argument("--group-size", type=int, default=None, help="rollouts per problem (G)" + scale_default("group_size"))
-    ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature, training and evaluation (default: %(default)s)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="completion limit per call (default: %d at --scale "
-                    "toy, the paper's %s otherwise)" % (toy.MAX_NEW_TOKENS, _per_task(tasks.MAX_NEW_TOKENS)))
-    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="hard prompt limit per call: a longer prompt "
-                    "keeps its end, losing the instruction and problem first, so it is a last resort (default: "
-                    "%d at --scale toy, none otherwise: --max-embed-tokens bounds the long prompts)" % toy.MAX_PROMPT_TOKENS)
-    ap.add_argument("--max-embed-tokens", type=int, default=None, help="an earlier call's text (a solution, an "
-                    "attempt) embedded in a later prompt keeps at most this many tokens, its head and tail "
-                    "(default: none at --scale toy, %d otherwise)" % tasks.MAX_EMBED_TOKENS)
-    ap.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache the sampler may hold, GiB (default: "
-                    "a share of free GPU memory on CUDA, a fixed amount on CPU; printed at start)")
-    ap.add_argument("--max-rows", type=int, default=None, help="most rows decoded at once (default: as many as the KV budget holds)")
-    # --- optimisation (grpo.py)
-    ap.add_argument("--steps", type=int, default=None, help="training steps" + scale_default("steps"))
-    ap.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: %g LoRA / %g full at --scale "
-                    "toy, %g LoRA / %g full otherwise)" % (*LR["lora"][:1], *LR["full"][:1], LR["lora"][1], LR["full"][1]))
-    ap.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up, then cosine to 0" + scale_default("warmup_steps"))
-    ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: %(default)s)")
-    ap.add_argument("--mini-batch", type=int, default=None, help="sequences per optimizer step (default: problems-per-step x group-size, the paper's 512)")
-    ap.add_argument("--token-budget", type=int, default=None, help="rows x padded length per micro-batch" + scale_default("token_budget"))
-    ap.add_argument("--grad-checkpointing", default="auto", choices=["auto", "on", "off"],
+    g.add_argument("--problems-per-step", type=int, default=None, help="problems per training step" + scale_default("problems_per_step"))
+    g.add_argument("--group-size", type=int, default=None, help="rollouts per problem (G)" + scale_default("group_size"))
+    g.add_argument("--temperature", type=float, default=0.7, help="sampling temperature, training and evaluation (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="completion limit per call (default: %d at --scale "
+                   "toy, the paper's %s otherwise)" % (toy.MAX_NEW_TOKENS, _per_task(tasks.MAX_NEW_TOKENS)))
+    g.add_argument("--max-prompt-tokens", type=int, default=None, help="hard prompt limit per call: a longer prompt "
+                   "keeps its end, losing the instruction and problem first, so it is a last resort (default: "
+                   "%d at --scale toy, none otherwise: --max-embed-tokens bounds the long prompts)" % toy.MAX_PROMPT_TOKENS)
+    g.add_argument("--max-embed-tokens", type=int, default=None, help="an earlier call's text (a solution, an "
+                   "attempt) embedded in a later prompt keeps at most this many tokens, its head and tail "
+                   "(default: none at --scale toy, %d otherwise)" % tasks.MAX_EMBED_TOKENS)
+    g.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache the sampler may hold, GiB (default: "
+                   "a share of free GPU memory on CUDA, a fixed amount on CPU; printed at start)")
+    g.add_argument("--max-rows", type=int, default=None, help="most rows decoded at once (default: as many as the KV budget holds)")
+
+
+def _optimisation_flags(g):
+    g.add_argument("--steps", type=int, default=None, help="training steps" + scale_default("steps"))
+    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: %g LoRA / %g full at --scale "
+                   "toy, %g LoRA / %g full otherwise)" % (*LR["lora"][:1], *LR["full"][:1], LR["lora"][1], LR["full"][1]))
+    g.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up, then cosine to 0" + scale_default("warmup_steps"))
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: %(default)s)")
+    g.add_argument("--mini-batch", type=int, default=None, help="sequences per optimizer step (default: problems-per-step x group-size, the paper's 512)")
+    g.add_argument("--token-budget", type=int, default=None, help="rows x padded length per micro-batch" + scale_default("token_budget"))
+    g.add_argument("--grad-checkpointing", default="auto", choices=["auto", "on", "off"],
                     help="recompute each layer in the backward instead of keeping its activations (auto: on at real scales) (default: %(default)s)")
-    ap.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping per optimizer step (default: %(default)s)")
-    ap.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below 1 (default: %(default)s)")
-    ap.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above 1, clip-higher (default: %(default)s)")
-    ap.add_argument("--clip-c", type=float, default=3.0, help="dual clip for negative advantages (default: %(default)s)")
-    ap.add_argument("--loss-norm", default="seq", choices=["seq", "token"], help="seq: mean of per-sequence token means (paper); token: mean over all tokens (default: %(default)s)")
-    ap.add_argument("--adv-group", default="slot", choices=["slot", "role"], help="advantage groups: (problem, slot) as the paper, or (problem, role) (default: %(default)s)")
-    ap.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-base coefficient for every role, k3 estimator (default: %(default)s, as the paper)")
-    ap.add_argument("--kl-coef-role", action="append", default=[], metavar="ROLE=VALUE", help="per-role KL coefficient, repeatable")
-    ap.add_argument("--coherence-damp", action="append", default=[], metavar="ROLE=LAMBDA",
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping per optimizer step (default: %(default)s)")
+    g.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below 1 (default: %(default)s)")
+    g.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above 1, clip-higher (default: %(default)s)")
+    g.add_argument("--clip-c", type=float, default=3.0, help="dual clip for negative advantages (default: %(default)s)")
+    g.add_argument("--loss-norm", default="seq", choices=["seq", "token"], help="seq: mean of per-sequence token means (paper); token: mean over all tokens (default: %(default)s)")
+    g.add_argument("--adv-group", default="slot", choices=["slot", "role"], help="advantage groups: (problem, slot) as the paper, or (problem, role) (default: %(default)s)")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-base coefficient for every role, k3 estimator (default: %(default)s, as the paper)")
+    g.add_argument("--kl-coef-role", action="append", default=[], metavar="ROLE=VALUE", help="per-role KL coefficient, repeatable")
+    g.add_argument("--coherence-damp", action="append", default=[], metavar="ROLE=LAMBDA",
                     help="scale a role's gradient by 1 - LAMBDA max(0, cos(g, EMA of its past gradients)) at each optimizer step, repeatable")
-    ap.add_argument("--coherence-window", type=int, default=10, help="EMA window of --coherence-damp, optimizer steps (default: %(default)s)")
-    ap.add_argument("--lora-rank", type=int, default=None, help="LoRA rank" + scale_default("lora_rank"))
-    ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha" + scale_default("lora_alpha"))
-    # --- evaluation and logging
-    ap.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (0: only at start and end)" + scale_default("eval_every"))
-    ap.add_argument("--eval-problems", type=int, default=None, help="held-out problems per evaluation" + scale_default("eval_problems"))
-    ap.add_argument("--samples-every", type=int, default=10, help="write transcripts of 2 episodes every N steps (0: never) (default: %(default)s)")
-    ap.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (0: only at the end) (default: %(default)s)")
-    ap.add_argument("--log-to", default="none", choices=["none", "wandb", "tensorboard"],
+    g.add_argument("--coherence-window", type=int, default=10, help="EMA window of --coherence-damp, optimizer steps (default: %(default)s)")
+    g.add_argument("--lora-rank", type=int, default=None, help="LoRA rank" + scale_default("lora_rank"))
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha" + scale_default("lora_alpha"))
+
+
+def _logging_flags(g):
+    g.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (0: only at start and end)" + scale_default("eval_every"))
+    g.add_argument("--eval-problems", type=int, default=None, help="held-out problems per evaluation" + scale_default("eval_problems"))
+    g.add_argument("--samples-every", type=int, default=10, help="write transcripts of 2 episodes every N steps (0: never) (default: %(default)s)")
+    g.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (0: only at the end) (default: %(default)s)")
+    g.add_argument("--log-to", default="none", choices=["none", "wandb", "tensorboard"],
                     help="also send every metric to an experiment tracker (tracking.py) (default: %(default)s)")
-    # --- run
-    ap.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: %(default)s)")
-    ap.add_argument("--out", default=None, help="run folder (default: runs/WORKFLOW-TASK-SHARING-SCALE-sSEED)")
-    ap.add_argument("--resume", default=None, metavar="RUN", help="continue the run in this folder with its saved configuration")
-    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="base model dtype (default: bfloat16 on GPU, float32 on CPU)")
-    ap.add_argument("--quiet", action="store_true", help="no progress bars")
-    return ap
+
+
+def _run_flags(g):
+    g.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: %(default)s)")
+    g.add_argument("--out", default=None, help="run folder (default: runs/WORKFLOW-TASK-SHARING-SCALE-sSEED)")
+    g.add_argument("--resume", default=None, metavar="RUN", help="continue the run in this folder with its saved configuration")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="base model dtype (default: bfloat16 on GPU, float32 on CPU)")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def parse_args(argv=None):
@@ -279,7 +295,7 @@ def save_checkpoint(policy, optimizers, schedulers, state, folder):
     FOLDER.old, move FOLDER.tmp in, delete FOLDER.old. find_checkpoint reads whichever
     complete one a kill left."""
     import torch
-    tmp, old = folder + ".tmp", folder + ".old"
+    tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save(tmp)
     torch.save({"optimizers": {k: o.state_dict() for k, o in optimizers.items()},
