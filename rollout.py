@@ -100,7 +100,9 @@ def sample_next(logits, temperature: float, top_p: float, generator):
         probs = logp.exp()
         if top_p < 1.0:
             sp, si = probs.sort(-1, descending=True)
-            drop = sp.cumsum(-1) - sp > top_p   # keep the smallest prefix whose mass reaches top_p
+            # keep the smallest prefix whose mass reaches top_p: a token goes once the mass
+            # before it already reaches top_p (`>=`: on an exact tie the next token is not kept)
+            drop = sp.cumsum(-1) - sp >= top_p
             ids = si.gather(-1, _draw(sp.masked_fill(drop, 0.0), generator)[:, None]).squeeze(-1)
         else:
             ids = _draw(probs, generator)

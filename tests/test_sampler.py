@@ -105,3 +105,13 @@ def test_top_p_restricts_to_the_nucleus():
     freq = torch.bincount(ids, minlength=4).float() / len(ids)
     assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
     assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1))
+
+
+def test_top_p_exact_tie_keeps_only_the_smallest_prefix():
+    # regression (issue 15 item 13): mass 0.5 is reached by token 0 alone, so token 1 must not
+    # be drawn; with `cumsum - p > top_p` it was, about a third of the time
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]] * 3000))
+    ids, _ = rollout.sample_next(logits, 1.0, 0.5, torch.Generator().manual_seed(0))
+    assert set(ids.tolist()) == {0}
+    ids, _ = rollout.sample_next(logits, 1.0, 0.75, torch.Generator().manual_seed(0))
+    assert set(ids.tolist()) == {0, 1}
