@@ -1,27 +1,59 @@
-"""Rollout: a hand-written batched sampler, and the `llm` that runs workflow stages through it.
+"""Rollout: a hand-written sampler with continuous batching in a KV budget, and the `llm` that
+runs workflow stages through it.
 
-generate(model, prompts, ...) samples completions for a batch of token-id prompts:
-- prompts of different lengths are left-padded; position ids are `cumsum(mask) - 1` (the same
-  formula as the trainer in grpo.py), and the attention mask is always passed;
-- identical prompts are prefilled once and their KV cache rows replicated (prefix sharing: the
-  G rollouts of a problem, the 3 voters); each row still samples its own first token;
-- one forward per new token over a reused KV cache, preallocated to its final length after the
-  prefill and written in place (no per-token concatenation), logits for the last position only,
-  sampling on the device, one host sync per step (to stop when every row is done);
+generate(model, prompts, ...) samples one completion per token-id prompt:
 - logits are divided by the temperature and upcast to fp32 before the log-softmax; the
   returned logprob of a token is under that temperature-scaled distribution (top-p only
   narrows which tokens can be drawn; with top_p=1, the paper's setting, it is exactly the
   distribution sampled from, and what grpo.py recomputes). temperature=0 is greedy, and its
   logprobs are then under the unscaled (T=1) distribution;
-- a row stops at the first of any stop id (Qwen3 has two); the stop token is kept with mask 1,
-  later positions are pad with mask 0; `finished` is False for rows cut at max_new_tokens.
+- a row stops at the first of any stop id (Qwen3 has two) or at its own max_new_tokens; the stop
+  token is kept with mask 1, later positions are pad with mask 0; `finished` is False for rows
+  cut at their limit. Outputs are per prompt, in input order, whatever order rows ran in.
 
-Run `python bench/generate.py` to compare its speed with `model.generate`.
+How rows share memory (fixed slots, chosen for plain torch + Hugging Face models):
+- the call holds S slots, each with room for the longest row (L = max prompt + max_new_tokens
+  columns): per layer one K and one V buffer (S, kv_heads, L, head_dim), zero-filled once.
+  S = what `kv_budget` bytes hold (None: every row at once), capped by `max_rows`. Slots, not
+  pages: attention in transformers wants each row's K/V as one dense tensor, and gathering
+  pages into one every step would copy the whole cache per token. The price: a slot is sized
+  for the worst case, so a budget holds budget / (L x bytes per token) rows, however short
+  they turn out.
+- a row's tokens sit at columns 0, 1, 2, ... of its slot, so its column is its position id
+  (the trainer's `cumsum(mask) - 1` of a left-padded row gives the same positions). A decode
+  step writes every row's new K/V at its own column (one indexed write per layer, no Python
+  loop over rows) and attends columns [0, W] with W the longest live row; the 2-D attention
+  mask `column <= own column` hides the rest, and is always passed.
+- when a row stops, its slot goes to the next waiting prompt. Newcomers are prefilled together
+  through the same cache object, whose update writes their K/V straight into their slots (no
+  second cache), left padding dropped; the decode batch then stays full until the queue is
+  empty, and afterwards shrinks to the live rows each time they fall to half.
+- identical prompts are prefilled once: copies in one prefill share a row, and a copy admitted
+  later copies the prompt's K/V from a slot that holds it and reuses the saved logits of its
+  first token; each row still samples its own first token.
+- one host sync per decode step (which rows hit a stop id); the host decides everything else
+  from its own counters. The refill phase loops over the rows that just ended.
+
+CUDA graphs are not captured: the decode step's shapes change every step (the attended width
+W grows, the batch shrinks) and transformers builds the mask and walks the cache in Python, so
+capturing needs a static window (all L columns every step, fixed S) and torch.compile; without
+a GPU to test it on, no graph path is built.
+
+Run `python bench/generate.py` to compare its speed with `model.generate` and lockstep batches.
 """
+import functools
 import inspect
+from collections import Counter, deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+CPU_KV_BUDGET = 4 * 2**30  # bytes of KV cache a generate call may hold on CPU by default
+KV_FRACTION = 0.5          # share of free CUDA memory for the KV cache by default (the update
+                           # needs the rest: activations, adapters and their AdamW states)
+PREFILL_TOKENS = 32768     # padded prompt tokens per prefill forward (bounds its activations)
 
 
 @dataclass
@@ -32,42 +64,140 @@ class Generation:
     finished: torch.Tensor  # (B,) bool, True if the row emitted a stop id
 
 
+# ----------------------------------------------------------------------------- KV budget
+
+def _kv_heads_and_dim(config) -> tuple[int, int]:
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return heads, head_dim
+
+
+def kv_bytes_per_token(config, dtype) -> int:
+    """Bytes of KV cache one token costs: K and V, every layer, every kv head."""
+    heads, head_dim = _kv_heads_and_dim(config)
+    return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def rows_that_fit(kv_budget: int, bytes_per_token: int, length: int) -> int:
+    """Rows of `length` tokens (prompt + max_new_tokens) that `kv_budget` bytes hold."""
+    return int(kv_budget) // (bytes_per_token * length)
+
+
+def default_kv_budget(device, fraction: float = KV_FRACTION) -> int:
+    """Bytes a generate call may hold: `fraction` of the free memory of a CUDA device (measure
+    it after the model is loaded), CPU_KV_BUDGET elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * fraction)
+    return CPU_KV_BUDGET
+
+
+def kv_budget_line(kv_budget: int, bytes_per_token: int, prompt_tokens: int, new_tokens: int) -> str:
+    """The line a script prints once: what the budget holds at its length limits."""
+    n = rows_that_fit(kv_budget, bytes_per_token, prompt_tokens + new_tokens)
+    return f"KV budget {kv_budget / 2**30:.2f} GiB holds {n} rows of {prompt_tokens}+{new_tokens} tokens"
+
+
+def _slot_count(rows: int, need: int, bytes_per_token: int, kv_budget, max_rows) -> int:
+    """Slots the call holds: every row, capped by max_rows and by what the budget holds."""
+    slots = rows if max_rows is None else max(1, min(rows, max_rows))
+    if kv_budget is not None:
+        fit = rows_that_fit(kv_budget, bytes_per_token, need)
+        if fit < 1:
+            raise ValueError(f"kv_budget {int(kv_budget):,} B is smaller than one row's need: {need} tokens "
+                             f"(prompt + max_new_tokens) x {bytes_per_token:,} B per token = "
+                             f"{need * bytes_per_token:,} B")
+        slots = min(slots, fit)
+    return slots
+
+
+# ----------------------------------------------------------------------------- the slot cache
+
 def _cache_kwarg(model) -> str:
+    return _cache_kwarg_of(type(model))
+
+
+@functools.lru_cache
+def _cache_kwarg_of(model_class) -> str:
     # transformers 5.x renamed `past_key_values` to `cache` (the old name warns until 5.40)
-    params = inspect.signature(model.forward).parameters
+    params = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
 def _new_cache(model):
-    from transformers import DynamicCache
     try:
         return DynamicCache(config=model.config)
     except TypeError:  # older transformers
         return DynamicCache()
 
 
-def _preallocate(cache, length: int) -> None:
-    """Give every cache layer buffers of the final length, written in place, instead of the
-    `torch.cat` per token that copies the whole cache of every row at every step (half of the
-    decode time on CPU at a few hundred rows). The layer's keys / values become views of the
-    filled part. A cache of another kind (older transformers) is left as it is."""
-    for layer in getattr(cache, "layers", None) or []:
-        if type(layer).__name__ != "DynamicLayer" or getattr(layer, "keys", None) is None:
-            return
-    for layer in getattr(cache, "layers", None) or []:
-        k, v = layer.keys, layer.values                        # (B, H, P, D)
-        shape = (*k.shape[:-2], length, k.shape[-1])
-        kbuf, vbuf = k.new_empty(shape), v.new_empty(shape)    # (B, H, length, D)
-        kbuf[..., : k.shape[-2], :], vbuf[..., : v.shape[-2], :] = k, v
+@dataclass
+class _Plan:
+    """Where the forward in progress writes; one object shared by every layer of the cache."""
+    span: torch.Tensor            # (L,) arange over a slot's columns
+    ids: torch.Tensor             # (S,) arange over the slots
+    prefill: bool = False
+    width: int = 0                # cached columns before the forward's own (sizes HF's mask)
+    rows: torch.Tensor = None     # decode: (n,) arange over the slots in the batch
+    at: torch.Tensor = None       # decode: (n,) column each slot writes
+    slots: torch.Tensor = None    # prefill: (N,) slot of each newcomer
+    src: torch.Tensor = None      # prefill: (N,) its row in the prefill batch
+    take: torch.Tensor = None     # prefill: (N, P) prefill column for each slot column (no pad)
 
-        def update(key_states, value_states, *args, _l=layer, _k=kbuf, _v=vbuf, **kwargs):
-            n, m = _l.keys.shape[-2], key_states.shape[-2]
-            _k[..., n : n + m, :], _v[..., n : n + m, :] = key_states, value_states
-            _l.keys, _l.values = _k[..., : n + m, :], _v[..., : n + m, :]
-            return _l.keys, _l.values
-        layer.keys, layer.values = kbuf[..., : k.shape[-2], :], vbuf[..., : v.shape[-2], :]
-        layer.update = update
 
+class _SlotLayer(DynamicLayer):
+    """One layer's K and V for S slots of L columns, (S, H, L, D) each, written in place."""
+
+    def __init__(self, keys, values, plan: _Plan):
+        super().__init__()
+        self.keys, self.values, self.plan = keys, values, plan
+        self.is_initialized = True
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.plan.width  # HF sizes the mask as this + the forward's own tokens
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        p = self.plan
+        if p.prefill:  # (U, H, P, D): each newcomer's row of it, left pad dropped, into its slot
+            cols = p.span[: key_states.shape[-2]]
+            self.keys[p.slots[:, None], :, cols] = key_states[p.src[:, None], :, p.take]  # (N, P, H, D)
+            self.values[p.slots[:, None], :, cols] = value_states[p.src[:, None], :, p.take]
+            return key_states, value_states
+        self.keys[p.rows, :, p.at] = key_states[:, :, 0]        # (n, H, D): each row at its column
+        self.values[p.rows, :, p.at] = value_states[:, :, 0]
+        n, w = len(p.rows), p.width + 1
+        return self.keys[:n, :, :w], self.values[:n, :, :w]     # (n, H, W+1, D)
+
+
+def _slot_cache(model, slots: int, length: int):
+    """A cache of `slots` x `length` columns per layer, zero-filled: masked columns are still
+    multiplied by a zero weight in attention, and uninitialised memory may hold NaN
+    (0 x NaN = NaN), so every column must hold a finite number."""
+    cfg, dev = model.config, next(model.parameters()).device
+    heads, head_dim = _kv_heads_and_dim(cfg)
+    cache = _new_cache(model)
+    if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", [])):
+        raise NotImplementedError("generate supports full-attention models only (no sliding-window layers)")
+    plan = _Plan(span=torch.arange(length, device=dev), ids=torch.arange(slots, device=dev))
+    shape = (slots, heads, length, head_dim)
+    cache.layers = [_SlotLayer(torch.zeros(shape, dtype=model.dtype, device=dev),
+                               torch.zeros(shape, dtype=model.dtype, device=dev), plan)
+                    for _ in range(cfg.num_hidden_layers)]
+    return cache, plan
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of the tensors the cache's layers hold (measured from their storage)."""
+    storages = {}
+    for layer in cache.layers:
+        for t in vars(layer).values():
+            if torch.is_tensor(t):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+# ----------------------------------------------------------------------------- sampling
 
 def left_pad(prompts: list, pad_id: int, device):
     """(ids (B, P), mask (B, P)) with each prompt right-aligned."""
@@ -109,55 +239,247 @@ def sample_next(logits, temperature: float, top_p: float, generator):
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
 
+# ----------------------------------------------------------------------------- the decode batch
+
+@dataclass
+class _Slots:
+    """The n slots of the decode batch. The host arrays decide everything (no sync); `dev`
+    mirrors row, made, pos and live on the device for the step's writes."""
+    row: np.ndarray       # (n,) prompt index held, -1 when free (its writes go to a spare row)
+    made: np.ndarray      # (n,) tokens sampled so far
+    pos: np.ndarray       # (n,) column (= position id) of the last sampled token
+    live: np.ndarray      # (n,) 1 if the slot holds a row that has not ended
+    limit: np.ndarray     # (n,) the row's max_new_tokens
+    pid: np.ndarray       # (n,) distinct prompt whose K/V the slot's first columns hold, -1 none
+    dev: torch.Tensor = None     # (4, n) long: row, made, pos, live
+    tok: torch.Tensor = None     # (n,) the token each slot sampled last
+    logits: torch.Tensor = None  # (n, V) fp32 logits of each slot's next token
+
+    @classmethod
+    def empty(cls, n: int, length: int):
+        z = np.zeros(n, dtype=np.int64)
+        return cls(row=z - 1, made=z.copy(), pos=z + length - 1, live=z.copy(), limit=z.copy(), pid=z - 1)
+
+    def upload(self, device):
+        self.dev = torch.from_numpy(np.stack([self.row, self.made, self.pos, self.live])).to(device)
+
+    def select(self, keep: np.ndarray, device):
+        """Keep only the slots `keep` (in that order): the batch shrinks to them."""
+        for f in ("row", "made", "pos", "live", "limit", "pid"):
+            setattr(self, f, getattr(self, f)[keep])
+        k = torch.from_numpy(keep).to(device)
+        self.tok, self.logits = self.tok[k], self.logits[k]
+        self.upload(device)
+
+
+@dataclass
+class _Job:
+    """One generate call: the prompts, their limits, the queue and the outputs being filled."""
+    prompts: list
+    limits: np.ndarray    # (B,) max_new_tokens per prompt
+    pids: list            # (B,) distinct-prompt id of each prompt (prefix sharing)
+    queue: deque          # prompt indices not yet admitted, identical prompts adjacent
+    waiting: Counter      # distinct-prompt id -> copies still in the queue
+    first: dict           # distinct-prompt id -> (V,) logits of its first token, while copies wait
+    tokens: torch.Tensor  # (B+1, T) ids; row B is the spare row free slots write to
+    logps: torch.Tensor   # (B+1, T) fp32
+    length: np.ndarray    # (B,) tokens produced
+    finished: np.ndarray  # (B,) bool, emitted a stop id
+    pad_id: int
+
+
+def _new_job(prompts, limits, pad_id, share_prefix, device) -> _Job:
+    ids = {}
+    same = [ids.setdefault(tuple(p), len(ids)) for p in prompts]  # (B,) id of each distinct prompt
+    pids = same if share_prefix else list(range(len(prompts)))
+    B, T = len(prompts), int(limits.max())
+    # identical prompts queue side by side (whether shared or not, so both run the same schedule)
+    queue = deque(sorted(range(B), key=lambda i: (same[i], i)))
+    return _Job(prompts=prompts, limits=limits, pids=pids, queue=queue, waiting=Counter(pids), first={},
+                tokens=torch.full((B + 1, T), pad_id, dtype=torch.long, device=device),
+                logps=torch.zeros((B + 1, T), dtype=torch.float32, device=device),
+                length=np.zeros(B, dtype=np.int64), finished=np.zeros(B, dtype=bool),
+                pad_id=pad_id)
+
+
+def _limits(prompts: list, max_new_tokens) -> np.ndarray:
+    """(B,) max_new_tokens per prompt, checked."""
+    B = len(prompts)
+    one = np.ndim(max_new_tokens) == 0
+    limits = np.full(B, int(max_new_tokens)) if one else np.asarray(list(max_new_tokens), dtype=np.int64)
+    if B == 0 or limits.shape != (B,) or limits.min() < 1 or min(map(len, prompts)) < 1:
+        raise ValueError("generate needs at least one prompt, none empty, and max_new_tokens >= 1 "
+                         "(one int, or one per prompt)")
+    return limits.astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- the steps
+
+def _prefill(model, cache, plan, distinct: list, dst: list, src: list, pad_id: int) -> torch.Tensor:
+    """Run the U `distinct` prompts through the model; the K/V of distinct[src[k]] goes straight
+    into slot dst[k], from column 0. Return (U, V) fp32 logits of each prompt's first new token."""
+    dev = plan.span.device
+    per = max(1, PREFILL_TOKENS // max(len(p) for p in distinct))  # prompts per forward
+    dst, src, out = np.asarray(dst), np.asarray(src), []
+    for a in range(0, len(distinct), per):
+        chunk, sel = distinct[a : a + per], (src >= a) & (src < a + per)
+        ids, mask = left_pad(chunk, pad_id, dev)                    # (U, P)
+        P = ids.shape[1]
+        pad = torch.tensor([P - len(chunk[u]) for u in src[sel] - a], device=dev)    # (N,)
+        plan.prefill, plan.width = True, 0
+        plan.slots = torch.from_numpy(dst[sel]).to(dev)
+        plan.src = torch.from_numpy(src[sel] - a).to(dev)
+        plan.take = (plan.span[:P] + pad[:, None]).clamp(max=P - 1)  # (N, P) skips the left pad
+        res = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
+        out.append(res.logits[:, -1].float())                       # (U, V)
+    plan.prefill = False
+    return torch.cat(out)
+
+
+def _copy_prompts(cache, dst: list, src: list, width: int) -> None:
+    """Copy the first `width` columns of slots `src` into slots `dst` (gathered before written,
+    so a slot may be both a source and a destination)."""
+    dev = cache.layers[0].keys.device
+    d, s = torch.tensor(dst, device=dev), torch.tensor(src, device=dev)
+    for layer in cache.layers:
+        layer.keys[d, :, :width] = layer.keys[s, :, :width]        # (N, H, width, D)
+        layer.values[d, :, :width] = layer.values[s, :, :width]
+
+
+def _first_logits(model, cache, plan, st: _Slots, job: _Job, free, rows, counts) -> torch.Tensor:
+    """(N, V) logits of each newcomer's first token, with its prompt's K/V put in its slot:
+    copied from a slot that holds the same prompt (whose first logits were kept while copies
+    waited), else prefilled, each distinct prompt once."""
+    pids = [job.pids[r] for r in rows]
+    held = dict(zip(st.pid.tolist(), range(len(st.pid))))  # distinct prompt -> a slot with its K/V
+    copy = [k for k, q in enumerate(pids) if q in held and q in job.first]
+    fresh = [k for k, q in enumerate(pids) if not (q in held and q in job.first)]
+    out = [None] * len(rows)
+    if copy:  # before the prefill, which may overwrite a holder that was freed
+        _copy_prompts(cache, [free[k] for k in copy], [held[pids[k]] for k in copy],
+                      max(len(job.prompts[rows[k]]) for k in copy))
+        for k in copy:
+            out[k] = job.first[pids[k]]
+    if fresh:
+        order = {q: job.prompts[rows[k]] for k in fresh for q in [pids[k]]}  # distinct, first seen first
+        u = {q: i for i, q in enumerate(order)}
+        first = _prefill(model, cache, plan, list(order.values()), [free[k] for k in fresh],
+                         [u[pids[k]] for k in fresh], job.pad_id)           # (U, V)
+        counts["prefill_rows"] += len(order)
+        for k in fresh:
+            out[k] = first[u[pids[k]]]
+    for q, c in Counter(pids).items():  # keep a prompt's first logits while copies of it wait
+        job.waiting[q] -= c
+        if job.waiting[q] == 0:
+            job.first.pop(q, None)
+        elif q not in job.first:
+            job.first[q] = out[pids.index(q)].clone()
+    return torch.stack(out)                                                   # (N, V)
+
+
+def _refill(model, cache, plan, st: _Slots, job: _Job, counts) -> None:
+    """Give the free slots to the next waiting prompts."""
+    free = np.flatnonzero(st.live == 0)[: len(job.queue)]
+    if len(free) == 0:
+        return
+    dev = plan.span.device
+    rows = np.array([job.queue.popleft() for _ in free])
+    logits = _first_logits(model, cache, plan, st, job, free, rows, counts)   # (N, V)
+    if st.logits is None:
+        st.logits = logits.new_zeros((len(st.live), logits.shape[1]))         # (n, V)
+        st.tok = torch.zeros(len(st.live), dtype=torch.long, device=dev)
+    st.logits[torch.from_numpy(free).to(dev)] = logits
+    lens = np.array([len(job.prompts[r]) for r in rows])
+    st.row[free], st.made[free], st.pos[free], st.live[free] = rows, 0, lens - 1, 1
+    st.limit[free], st.pid[free] = job.limits[rows], np.asarray(job.pids)[rows]
+    st.upload(dev)
+
+
+def _retire(st: _Slots, job: _Job, hit: np.ndarray, park: int) -> bool:
+    """Free the slots whose row just ended (a stop id, or its limit); False if none did.
+    A free slot keeps writing, at column `park` (L-1), which no prompt reaches: its first
+    columns keep the prompt's K/V, for a later copy of the same prompt."""
+    ended = np.flatnonzero((st.live == 1) & (hit | (st.made >= st.limit)))
+    if len(ended) == 0:
+        return False
+    rows = st.row[ended]
+    job.length[rows], job.finished[rows] = st.made[ended], hit[ended]
+    st.row[ended], st.made[ended], st.pos[ended], st.live[ended] = -1, 0, park, 0
+    return True
+
+
+def _shrink(cache, st: _Slots, device) -> None:
+    """Drop the free slots (the queue is empty): the live rows' K/V move to the first slots, one
+    layer at a time, so the copy in flight is one layer's live rows, not a second cache."""
+    keep = np.flatnonzero(st.live)
+    k = torch.from_numpy(keep).to(device)
+    for layer in cache.layers:
+        layer.keys[: len(keep)] = layer.keys[k]     # (m, H, L, D)
+        layer.values[: len(keep)] = layer.values[k]
+    st.select(keep, device)
+
+
+def _decode(model, cache, plan, st: _Slots) -> torch.Tensor:
+    """One forward over the batch: every slot feeds its last token at its own column and
+    attends columns [0, W], W the longest live row; return the (n, V) fp32 next-token logits."""
+    pos = st.dev[2]                                         # (n,) column = position id
+    plan.width = int(st.pos[st.live == 1].max())            # host counters: no sync
+    plan.rows, plan.at = plan.ids[: len(st.live)], pos
+    # a row attends its own columns only; a free slot (parked past W) sees finite junk
+    attn = plan.span[: plan.width + 1] <= pos[:, None]      # (n, W+1)
+    res = model(input_ids=st.tok[:, None], attention_mask=attn, position_ids=pos[:, None],
+                use_cache=True, **{_cache_kwarg(model): cache})
+    return res.logits[:, -1].float()                        # (n, V)
+
+
 @torch.no_grad()  # not inference_mode: its tensors could not be reused by autograd later
-def generate(model, prompts: list, max_new_tokens: int, stop_ids, pad_id: int,
-             temperature: float = 1.0, top_p: float = 1.0, generator=None,
-             share_prefix: bool = True) -> Generation:
-    """Sample a completion for every prompt (a list of token-id lists)."""
-    if max_new_tokens < 1 or not prompts:
-        raise ValueError("generate needs at least one prompt and max_new_tokens >= 1")
+def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
+             temperature: float = 1.0, top_p: float = 1.0, generator=None, share_prefix: bool = True,
+             kv_budget: int | None = None, max_rows: int | None = None, stats: dict | None = None) -> Generation:
+    """Sample a completion for every prompt (a list of token-id lists). `max_new_tokens`: one
+    limit, or one per prompt. At most `kv_budget` bytes of KV cache (None: every row at once)
+    and `max_rows` rows are held. `stats`, a dict, gets prefill_rows (prompts run through a
+    prefill) and decode_steps added, and kv_bytes (cache tensors held) and slots (rows held at
+    once) raised to this call's."""
+    limits = _limits(prompts, max_new_tokens)
     dev = next(model.parameters()).device
-    B, T = len(prompts), max_new_tokens
-    if share_prefix:  # prefill each distinct prompt once
-        uniq = {}
-        src = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts], device=dev)
-        to_fill = [list(p) for p in uniq]
-    else:
-        src, to_fill = None, prompts
-    ids, mask = left_pad(to_fill, pad_id, dev)  # (B', P)
-    P = ids.shape[1]
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)    # (B', P) same formula as the trainer
-    cache, ckw = _new_cache(model), _cache_kwarg(model)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                logits_to_keep=1, **{ckw: cache})
-    logits = out.logits[:, -1].float()          # (B', V)
-    next_pos = pos[:, -1] + 1                   # (B',) position of the first new token
-    if src is not None and len(to_fill) < B:    # replicate prefilled rows to the full batch
-        cache.batch_select_indices(src)
-        logits, mask, next_pos = logits[src], mask[src], next_pos[src]
-
-    _preallocate(cache, P + T)
+    need = max(len(p) + int(t) for p, t in zip(prompts, limits))  # columns of the longest row
+    S = _slot_count(len(prompts), need, kv_bytes_per_token(model.config, model.dtype), kv_budget, max_rows)
+    cache, plan = _slot_cache(model, S, need)
+    job, st = _new_job(prompts, limits, pad_id, share_prefix, dev), _Slots.empty(S, need)
     stops = torch.tensor(sorted(set(stop_ids)), device=dev)
-    tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)   # (B, T)
-    logps = torch.zeros((B, T), dtype=torch.float32, device=dev)       # (B, T)
-    live = torch.ones((B, T), dtype=torch.bool, device=dev)            # (B, T)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)                # (B,)
-    attn = torch.cat([mask, torch.ones((B, T), dtype=mask.dtype, device=dev)], 1)  # (B, P+T)
-    t = 0
-    for t in range(T):
-        tok, lp = sample_next(logits, temperature, top_p, generator)
-        tok = tok.masked_fill(done, pad_id)     # rows already done emit pad
-        tokens[:, t], logps[:, t], live[:, t] = tok, lp.masked_fill(done, 0.0), ~done
-        done = done | torch.isin(tok, stops)
-        if t == T - 1 or bool(done.all()):      # the one host sync of the step
+    counts = Counter(prefill_rows=0, decode_steps=0)
+    while True:
+        _refill(model, cache, plan, st, job, counts)
+        if not st.live.any():
             break
-        out = model(input_ids=tok[:, None], attention_mask=attn[:, : P + t + 1],
-                    position_ids=(next_pos + t)[:, None], use_cache=True, **{ckw: cache})
-        logits = out.logits[:, -1].float()      # (B, V)
-    n = t + 1  # columns actually produced; the rest is pad
-    live[:, n:] = False
-    return Generation(tokens[:, :n], logps[:, :n], live[:, :n], done)
+        tok, lp = sample_next(st.logits, temperature, top_p, generator)   # (n,)
+        job.tokens[st.dev[0], st.dev[1]], job.logps[st.dev[0], st.dev[1]] = tok, lp
+        hit = torch.isin(tok, stops).cpu().numpy()                        # the one host sync of the step
+        st.tok, st.made, st.pos = tok, st.made + st.live, st.pos + st.live
+        st.dev[1:3] += st.dev[3]                                         # made, pos += live
+        if _retire(st, job, hit, park=need - 1):
+            st.upload(dev)
+        if not job.queue and 0 < 2 * st.live.sum() <= len(st.live):
+            _shrink(cache, st, dev)
+        if st.live.any():
+            st.logits = _decode(model, cache, plan, st)
+            counts["decode_steps"] += 1
+    if stats is not None:
+        for k, v in counts.items():
+            stats[k] = stats.get(k, 0) + v
+        stats["kv_bytes"] = max(stats.get("kv_bytes", 0), cache_bytes(cache))
+        stats["slots"] = max(stats.get("slots", 0), S)
+    return _output(job)
 
+
+def _output(job: _Job) -> Generation:
+    dev = job.tokens.device
+    T = int(job.length.max())
+    length = torch.from_numpy(job.length).to(dev)
+    mask = torch.arange(T, device=dev) < length[:, None]      # (B, T), the stop token included
+    return Generation(job.tokens[:-1, :T], job.logps[:-1, :T], mask, torch.from_numpy(job.finished).to(dev))
 
 # ----------------------------------------------------------------------------- workflow llm
 
@@ -174,14 +496,16 @@ def render(tokenizer, messages, max_prompt_tokens: int | None = None) -> tuple[l
 
 
 def make_llm(policy, *, temperature: float = 0.7, top_p: float = 1.0, max_new_tokens: int = 512,
-             max_prompt_tokens: int | None = None, generator=None, max_rows: int | None = None):
+             max_prompt_tokens: int | None = None, generator=None, max_rows: int | None = None,
+             kv_budget: int | None = None):
     """The `llm(role, slots, messages_list) -> list[Call]` that workflows.py calls once per stage.
 
-    Every call of a stage goes to the adapter of its role in one `generate` (or chunks of
-    `max_rows` rows, identical prompts kept together so they still share their prefill), and
-    is recorded as a Call with its prompt ids, completion ids (stop token included), sampler
-    logprobs and finished flag; the text is the decoded completion without special tokens.
-    `llm.stats` counts calls and cut prompts per role."""
+    Every call of a stage goes to the adapter of its role in one `generate`, which holds at most
+    `kv_budget` bytes of KV cache and `max_rows` rows at once (continuous batching; identical
+    prompts still share their prefill), and is recorded as a Call with its prompt ids,
+    completion ids (stop token included), sampler logprobs and finished flag; the text is the
+    decoded completion without special tokens. `llm.stats` counts calls and cut prompts per
+    role, plus the sampler's counters (see `generate`)."""
     from policies import stop_ids
     from workflows import Call
 
@@ -195,21 +519,17 @@ def make_llm(policy, *, temperature: float = 0.7, top_p: float = 1.0, max_new_to
         s = stats.setdefault(role, {"calls": 0, "prompt_cut": 0})
         s["calls"] += len(prompts)
         s["prompt_cut"] += sum(cut for _, cut in rendered)
-        order = sorted(range(len(prompts)), key=lambda i: prompts[i])  # identical prompts adjacent
-        step = max_rows or len(order)
-        calls = [None] * len(prompts)
         with policy.using(policy.adapter(role)) as model:
-            for c in range(0, len(order), step):
-                rows = order[c : c + step]
-                out = generate(model, [prompts[i] for i in rows], max_new_tokens, stops, tok.pad_token_id,
-                               temperature=temperature, top_p=top_p, generator=generator)
-                for j, i in enumerate(rows):
-                    keep = out.mask[j]
-                    ids = out.tokens[j][keep].tolist()
-                    calls[i] = Call(role=role, slot=slots[i], messages=messages_list[i],
-                                    text=tok.decode(ids, skip_special_tokens=True), prompt_ids=prompts[i],
-                                    completion_ids=ids, logprobs=out.logprobs[j][keep].tolist(),
-                                    finished=bool(out.finished[j]))
+            out = generate(model, prompts, max_new_tokens, stops, tok.pad_token_id, temperature=temperature,
+                           top_p=top_p, generator=generator, kv_budget=kv_budget, max_rows=max_rows, stats=s)
+        calls = []
+        for i, ids in enumerate(prompts):
+            keep = out.mask[i]
+            comp = out.tokens[i][keep].tolist()
+            calls.append(Call(role=role, slot=slots[i], messages=messages_list[i],
+                              text=tok.decode(comp, skip_special_tokens=True), prompt_ids=ids,
+                              completion_ids=comp, logprobs=out.logprobs[i][keep].tolist(),
+                              finished=bool(out.finished[i])))
         return calls
 
     llm.stats = stats
