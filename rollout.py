@@ -248,33 +248,36 @@ def sample_next(logits, temperature: float, top_p: float, generator):
 
 @dataclass
 class _Slots:
-    """The n slots of the decode batch. The host arrays decide everything (no sync); `dev`
-    mirrors row, made, pos and live on the device for the step's writes."""
-    row: np.ndarray       # (n,) prompt index held; `spare` (B, a row of no prompt) when free
-    made: np.ndarray      # (n,) tokens sampled so far
-    pos: np.ndarray       # (n,) column (= position id) of the last sampled token
-    live: np.ndarray      # (n,) 1 if the slot holds a row that has not ended
-    limit: np.ndarray     # (n,) the row's max_new_tokens
-    pid: np.ndarray       # (n,) distinct prompt whose K/V the slot's first columns hold, -1 none
-    dev: torch.Tensor = None     # (4, n) long: row, made, pos, live
+    """The n slots of the decode batch. The host counters decide everything (no sync); `dev`
+    is their copy on the device, for the step's writes."""
+    h: np.ndarray                # (4, n) int64 counters: row, made, pos, live (views below)
+    limit: np.ndarray            # (n,) the row's max_new_tokens
+    pid: np.ndarray              # (n,) distinct prompt whose K/V the slot's first columns hold, -1 none
+    spare: int                   # the output row free slots write to (B, a row of no prompt)
+    park: int                    # the column free slots write to (L-1, which no prompt reaches)
+    dev: torch.Tensor = None     # (4, n) long: `h` on the device
     tok: torch.Tensor = None     # (n,) the token each slot sampled last
     logits: torch.Tensor = None  # (n, V) fp32 logits of each slot's next token
-    spare: int = 0               # the output row free slots write to (B)
-    park: int = 0                # the column free slots write to (L-1, which no prompt reaches)
+
+    row = property(lambda self: self.h[0])   # (n,) prompt index held, `spare` when free
+    made = property(lambda self: self.h[1])  # (n,) tokens sampled so far
+    pos = property(lambda self: self.h[2])   # (n,) column (= position id) of the last sampled token
+    live = property(lambda self: self.h[3])  # (n,) 1 if the slot holds a row that has not ended
 
     @classmethod
     def empty(cls, n: int, spare: int, park: int):
-        z = np.zeros(n, dtype=np.int64)
-        return cls(row=z + spare, made=z.copy(), pos=z + park, live=z.copy(), limit=z.copy(), pid=z - 1,
-                   spare=spare, park=park)
+        h = np.zeros((4, n), dtype=np.int64)
+        h[0], h[2] = spare, park
+        return cls(h=h, limit=np.zeros(n, dtype=np.int64), pid=np.full(n, -1), spare=spare, park=park)
 
     def upload(self, device):
-        self.dev = torch.from_numpy(np.stack([self.row, self.made, self.pos, self.live])).to(device)
+        """Copy the counters to the device without a sync (on CPU the tensor shares `h`)."""
+        t = torch.from_numpy(self.h)
+        self.dev = t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
     def select(self, keep: np.ndarray, device):
         """Keep only the slots `keep` (in that order): the batch shrinks to them."""
-        for f in ("row", "made", "pos", "live", "limit", "pid"):
-            setattr(self, f, getattr(self, f)[keep])
+        self.h, self.limit, self.pid = self.h[:, keep], self.limit[keep], self.pid[keep]
         k = torch.from_numpy(keep).to(device)
         self.tok, self.logits = self.tok[k], self.logits[k]
         self.upload(device)
@@ -399,22 +402,20 @@ def _refill(model, cache, plan, st: _Slots, job: _Job, counts) -> None:
         st.tok = torch.zeros(len(st.live), dtype=torch.long, device=dev)
     st.logits[torch.from_numpy(free).to(dev)] = logits
     lens = np.array([len(job.prompts[r]) for r in rows])
-    st.row[free], st.made[free], st.pos[free], st.live[free] = rows, 0, lens - 1, 1
+    st.h[:, free] = np.stack([rows, 0 * rows, lens - 1, 0 * rows + 1])  # row, made, pos, live
     st.limit[free], st.pid[free] = job.limits[rows], np.asarray(job.pids)[rows]
     st.upload(dev)
 
 
-def _retire(st: _Slots, job: _Job, hit: np.ndarray) -> bool:
-    """Free the slots whose row just ended (a stop id, or its limit); False if none did.
-    A free slot keeps writing, at column `park` (L-1), which no prompt reaches: its first
-    columns keep the prompt's K/V, for a later copy of the same prompt."""
+def _retire(st: _Slots, job: _Job, hit: np.ndarray) -> None:
+    """Free the slots whose row just ended (a stop id, or its limit). A free slot keeps
+    writing, at column `park` (L-1), which no prompt reaches: its first columns keep the
+    prompt's K/V, for a later copy of the same prompt."""
     ended = np.flatnonzero((st.live == 1) & (hit | (st.made >= st.limit)))
-    if len(ended) == 0:
-        return False
-    rows = st.row[ended]
-    job.length[rows], job.finished[rows] = st.made[ended], hit[ended]
-    st.row[ended], st.made[ended], st.pos[ended], st.live[ended] = st.spare, 0, st.park, 0
-    return True
+    if len(ended):
+        rows = st.row[ended]
+        job.length[rows], job.finished[rows] = st.made[ended], hit[ended]
+        st.h[:, ended] = np.array([st.spare, 0, st.park, 0])[:, None]
 
 
 def _shrink(cache, st: _Slots, device) -> None:
@@ -432,7 +433,7 @@ def _decode(model, cache, plan, st: _Slots) -> torch.Tensor:
     """One forward over the batch: every slot feeds its last token at its own column and
     attends columns [0, W], W the longest live row; return the (n, V) fp32 next-token logits."""
     pos = st.dev[2]                                         # (n,) column = position id
-    plan.width = int(st.pos[st.live == 1].max())            # host counters: no sync
+    plan.width = int((st.pos * st.live).max())              # host counters: no sync
     plan.rows, plan.at = plan.ids[: len(st.live)], pos
     # a row attends its own columns only; a free slot (parked past W) sees finite junk
     attn = plan.span[: plan.width + 1] <= pos[:, None]      # (n, W+1)
@@ -455,7 +456,7 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     need = max(len(p) + int(t) for p, t in zip(prompts, limits))  # columns of the longest row
     S = _slot_count(len(prompts), need, kv_bytes_per_token(model.config, model.dtype), kv_budget, max_rows)
     cache, plan = _slot_cache(model, S, need)
-    job, st = _new_job(prompts, limits, pad_id, share_prefix, dev), _Slots.empty(S, len(prompts), need - 1)
+    job, st = _new_job(prompts, limits, pad_id, share_prefix, dev), _Slots.empty(S, spare=len(prompts), park=need - 1)
     stops = torch.tensor(sorted(set(stop_ids)), device=dev)
     counts = Counter(prefill_rows=0, decode_steps=0)
     while True:
@@ -465,10 +466,10 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
         tok, lp = sample_next(st.logits, temperature, top_p, generator)   # (n,)
         job.tokens[st.dev[0], st.dev[1]], job.logps[st.dev[0], st.dev[1]] = tok, lp
         hit = torch.isin(tok, stops).cpu().numpy()                        # the one host sync of the step
-        st.tok, st.made, st.pos = tok, st.made + st.live, st.pos + st.live
-        st.dev[1:3] += st.dev[3]                                         # made, pos += live
-        if _retire(st, job, hit):
-            st.upload(dev)
+        st.tok = tok
+        st.h[1:3] += st.live                                             # made, pos += live
+        _retire(st, job, hit)
+        st.upload(dev)
         if not job.queue and 0 < 2 * st.live.sum() <= len(st.live):
             _shrink(cache, st, dev)
         if st.live.any():
