@@ -271,9 +271,10 @@ class _Slots:
         return cls(h=h, limit=np.zeros(n, dtype=np.int64), pid=np.full(n, -1), spare=spare, park=park)
 
     def upload(self, device):
-        """Copy the counters to the device without a sync (on CPU the tensor shares `h`)."""
+        """Copy the counters to the device without a sync (pinned memory on CUDA; on CPU the
+        tensor shares `h`, so later changes to `h` show through at once)."""
         t = torch.from_numpy(self.h)
-        self.dev = t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+        self.dev = (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
     def select(self, keep: np.ndarray, device):
         """Keep only the slots `keep` (in that order): the batch shrinks to them."""
