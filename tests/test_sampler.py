@@ -264,3 +264,19 @@ def test_top_p_exact_tie_keeps_only_the_smallest_prefix():
     assert set(ids.tolist()) == {0}
     ids, _ = rollout.sample_next(logits, 1.0, 0.75, torch.Generator().manual_seed(0))
     assert set(ids.tolist()) == {0, 1}
+
+
+def test_a_short_prompt_with_a_long_limit_is_never_padded_past_its_room():
+    # the long prompt wants few tokens, the short one many: slots are sized for the short one's
+    # need (2 + 20), so it must neither share a prefill chunk padded to the long prompt's 10
+    # tokens, nor (admitted later) copy a slot whose prompt sits behind 8 columns of padding
+    m = tiny_qwen3(seed=6)
+    long, short = list(range(20, 30)), [5, 6]
+    for prompts, limits, prefills in [([long, short], [2, 20], 2),  # one refill, two chunks
+                                      ([long, short, short, short], [2, 2, 20, 20], 3)]:  # no copy
+        stats = {}
+        g = rollout.generate(m, prompts, limits, [63], PAD, temperature=0,
+                             kv_budget=budget_for(m, 2, prompts, limits), stats=stats)
+        assert stats["slots"] == 2 and stats["prefill_rows"] == prefills
+        for i, (p, limit) in enumerate(zip(prompts, limits)):
+            assert torch.equal(g.tokens[i][g.mask[i]], hf_alone(m, p, limit, [63])), i
