@@ -262,6 +262,7 @@ class _Slots:
     dev: torch.Tensor = None     # (5, n) long: `h` on the device
     tok: torch.Tensor = None     # (n,) the token each slot sampled last
     logits: torch.Tensor = None  # (n, V) fp32 logits of each slot's next token
+    shared: np.ndarray = None    # on CPU: the `h` that `dev` shares memory with
 
     row = property(lambda self: self.h[0])   # (n,) prompt index held, `spare` when free
     made = property(lambda self: self.h[1])  # (n,) tokens sampled so far
@@ -278,10 +279,11 @@ class _Slots:
     def upload(self, device):
         """Copy the counters to the device without a sync (pinned memory on CUDA). On CPU the
         tensor shares `h`, so later changes to `h` show through without a copy."""
-        if device.type == "cpu" and self.dev is not None and self.dev.data_ptr() == self.h.ctypes.data:
+        if device.type == "cpu" and self.shared is self.h:
             return
         t = torch.from_numpy(self.h)
         self.dev = (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+        self.shared = self.h if device.type == "cpu" else None
 
     def select(self, keep: np.ndarray, device):
         """Keep only the slots `keep` (in that order): the batch shrinks to them."""
