@@ -136,11 +136,11 @@ def lognormal_limits(n: int, cap: int, median: float, sigma: float, seed: int = 
     return x.round().clamp(1, cap).long().tolist()
 
 
-def timed(fns: dict, warmups: dict, repeats: int, device: str, clock: str) -> tuple[dict, dict]:
-    """Best time of each fn, after one short warm-up call each, runs interleaved; and on CUDA
-    the peak memory allocated while it ran. clock "cpu" is this process's CPU time (on a shared
-    CPU machine it leaves out the time other jobs take the core; run with OMP_NUM_THREADS=1),
-    "wall" the wall time (with the device synchronised)."""
+def timed(fns: dict, warmups: dict, repeats: int, device: str, clock: str, report) -> None:
+    """Best time of each fn, after one short warm-up call each, runs interleaved; each fn's
+    `report(name, seconds, peak CUDA bytes)` is called as soon as its last run ends. clock "cpu"
+    is this process's CPU time (on a shared CPU machine it leaves out the time other jobs take
+    the core; run with OMP_NUM_THREADS=1), "wall" the wall time (with the device synchronised)."""
     now, cuda = (time.process_time if clock == "cpu" else time.perf_counter), device.startswith("cuda")
 
     def one(fn):
@@ -155,11 +155,12 @@ def timed(fns: dict, warmups: dict, repeats: int, device: str, clock: str) -> tu
     for fn in warmups.values():
         fn()
     best, peak = {k: float("inf") for k in fns}, {k: 0 for k in fns}
-    for _ in range(repeats):
+    for r in range(repeats):
         for k, fn in fns.items():
             t, m = one(fn)
             best[k], peak[k] = min(best[k], t), max(peak[k], m)
-    return best, peak
+            if r == repeats - 1:
+                report(k, best[k], peak[k])
 
 
 def samplers(model, args, prompts, limits, slots):
@@ -192,17 +193,22 @@ def samplers(model, args, prompts, limits, slots):
 
 
 def run(model, args, name, prompts, limits, slots):
+    """Time every sampler on one workload; print a line per sampler as it ends, then the ratios."""
     fns, budget = samplers(model, args, prompts, limits, slots)
     warm, _ = samplers(model, args, prompts[:slots], [min(t, 8) for t in limits[:slots]], slots)
-    best, peak = timed(fns, warm, args.repeats, args.device, args.clock)
     tokens = sum(limits)
     print(f"{name}: {len(prompts)} rows, {tokens} tokens, limits mean {tokens / len(limits):.0f} max {max(limits)}; "
-          f"KV budget {budget / 2**20:.1f} MiB holds {slots} rows")
-    rate = {k: tokens / t for k, t in best.items()}
-    for k, r in rate.items():
-        vs = "".join(f" | {r / rate[ref]:5.2f}x {ref}" for ref in rate if ref != k)
-        mem = f" peak {peak[k] / 2**30:5.1f} GiB" if peak[k] else ""
-        print(f"  {k:15s} {r:10.0f} tok/s {best[k]:7.2f} s {args.clock}{mem}{vs}", flush=True)
+          f"KV budget {budget / 2**20:.1f} MiB holds {slots} rows", flush=True)
+    rate = {}
+
+    def report(k, t, peak):
+        rate[k] = tokens / t
+        mem = f" peak {peak / 2**30:5.1f} GiB" if peak else ""
+        print(f"  {k:15s} {rate[k]:10.0f} tok/s {t:7.2f} s {args.clock}{mem}", flush=True)
+    timed(fns, warm, args.repeats, args.device, args.clock, report)
+    if "continuous" in rate:
+        vs = ", ".join(f"{rate['continuous'] / r:.2f}x {k}" for k, r in rate.items() if k != "continuous")
+        print(f"  {name}: continuous = {vs}", flush=True)
 
 
 def check_parity(device: str) -> None:
@@ -254,7 +260,7 @@ def main():
     ap.add_argument("--check", action="store_true",
                     help="only check greedy parity with model.generate on --device (tiny fp32 model), then exit")
     ap.add_argument("--samplers", default="lockstep,continuous,model.generate",
-                    help="comma-separated subset of lockstep, continuous, model.generate")
+                    help="comma-separated subset of lockstep, continuous, model.generate, in the order run")
     args = ap.parse_args()
     args.clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     if args.check:
