@@ -203,7 +203,8 @@ def test_per_row_limits_and_finished_flags_in_a_small_budget():
 
 
 def kv_bytes_held(cache):
-    """Bytes of every tensor the cache's layers hold, by storage (views counted once)."""
+    """Bytes of every tensor the cache's layers hold, by storage (views counted once); written
+    here again on purpose, so the test does not trust rollout.cache_bytes, which it checks."""
     storages = {}
     for layer in cache.layers:
         for t in vars(layer).values():
