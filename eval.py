@@ -394,7 +394,7 @@ def _make_llm(args, st: dict, kind: str):
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     return rollout.make_llm(policy, temperature=args.temperature, top_p=1.0, generator=gen,
                             max_new_tokens=st["max_new_tokens"], max_prompt_tokens=st["max_prompt_tokens"],
-                            max_embed_tokens=st["max_embed_tokens"])
+                            max_embed_tokens=st["max_embed_tokens"], kv_budget=rollout.default_kv_budget(args.device))
 
 
 def _pct(x) -> str:

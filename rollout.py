@@ -1,27 +1,67 @@
-"""Rollout: a hand-written batched sampler, and the `llm` that runs workflow stages through it.
+"""Rollout: a hand-written sampler with continuous batching in a KV budget, and the `llm` that
+runs workflow stages through it.
 
-generate(model, prompts, ...) samples completions for a batch of token-id prompts:
-- prompts of different lengths are left-padded; position ids are `cumsum(mask) - 1` (the same
-  formula as the trainer in grpo.py), and the attention mask is always passed;
-- identical prompts are prefilled once and their KV cache rows replicated (prefix sharing: the
-  G rollouts of a problem, the 3 voters); each row still samples its own first token;
-- one forward per new token over a reused KV cache, preallocated to its final length after the
-  prefill and written in place (no per-token concatenation), logits for the last position only,
-  sampling on the device, one host sync per step (to stop when every row is done);
+generate(model, prompts, ...) samples one completion per token-id prompt:
 - logits are divided by the temperature and upcast to fp32 before the log-softmax; the
   returned logprob of a token is under that temperature-scaled distribution (top-p only
   narrows which tokens can be drawn; with top_p=1, the paper's setting, it is exactly the
   distribution sampled from, and what grpo.py recomputes). temperature=0 is greedy, and its
   logprobs are then under the unscaled (T=1) distribution;
-- a row stops at the first of any stop id (Qwen3 has two); the stop token is kept with mask 1,
-  later positions are pad with mask 0; `finished` is False for rows cut at max_new_tokens.
+- a row stops at the first of any stop id (Qwen3 has two) or at its own max_new_tokens; the stop
+  token is kept with mask 1, later positions are pad with mask 0; `finished` is False for rows
+  cut at their limit. Outputs are per prompt, in input order, whatever order rows ran in.
 
-Run `python bench/generate.py` to compare its speed with `model.generate`.
+How rows share memory (fixed slots, chosen for plain torch + Hugging Face models):
+- the call holds S slots, each with room for the longest row (L = max prompt + max_new_tokens
+  columns): per layer one K and one V buffer (S, kv_heads, L, head_dim), zero-filled once.
+  S = what `kv_budget` bytes hold (None: every row at once), capped by `max_rows`. Slots, not
+  pages: attention in transformers wants each row's K/V as one dense tensor, and gathering
+  pages into one every step would copy the whole cache per token. The price: a slot is sized
+  for the worst case, so a budget holds budget / (L x bytes per token) rows, however short
+  they turn out.
+- a newcomer's prompt is written left-padded to its prefill chunk's length P, so its tokens sit
+  at columns pad, pad+1, ... of its slot and its position id is column - pad (the trainer's
+  `cumsum(mask) - 1`). A decode step writes every row's new K/V at its own column (one indexed
+  write per layer, no Python loop over rows; a plain slice write while every slot shares one
+  column, as rows admitted together do) and attends columns [0, W], W the furthest live
+  column; the 2-D attention mask `pad <= column <= own column` hides the rest, and is always
+  passed. A chunk never pads a prompt past the room its limit leaves in the slot.
+- when a row stops, its slot goes to the next waiting prompt. Newcomers are prefilled together
+  through the same cache object, whose update writes their K/V straight into their slots (no
+  second cache). They are admitted once REFILL_AT (1/16) of the slots are
+  free: on a GPU a prefill forward costs about one decode step, so refilling one row at a time
+  would add a forward to most steps, while waiting for 1/16 keeps the batch >= 15/16 full (on
+  CPU the two measured the same). Once the queue is empty the batch shrinks to the live rows
+  each time they fall to half.
+- identical prompts are prefilled once: copies in one prefill share a row, and a copy admitted
+  later copies the prompt's K/V from a slot that holds it (free slots keep theirs: they write
+  at column L-1, which no prompt reaches) and reuses the saved logits of its first token; each
+  row still samples its own first token.
+- one host sync per decode step (which rows hit a stop id); the host decides everything else
+  from its own counters. The refill phase loops over the rows that just ended.
+
+CUDA graphs are not captured: the decode step's shapes change every step (the attended width
+W grows, the batch shrinks) and transformers builds the mask and walks the cache in Python, so
+capturing needs a static window (all L columns every step, fixed S) and torch.compile; without
+a GPU to test it on, no graph path is built.
+
+Run `python bench/generate.py` to compare its speed with `model.generate` and lockstep batches.
 """
+import functools
 import inspect
+import math
+from collections import Counter, deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+CPU_KV_BUDGET = 4 * 2**30  # bytes of KV cache a generate call may hold on CPU by default
+KV_FRACTION = 0.5          # share of free CUDA memory for the KV cache by default (the update
+                           # needs the rest: activations, adapters and their AdamW states)
+PREFILL_TOKENS = 32768     # padded prompt tokens per prefill forward (bounds its activations)
+REFILL_AT = 1 / 16         # admit newcomers once this share of the slots is free (see _refill)
 
 
 @dataclass
@@ -32,42 +72,141 @@ class Generation:
     finished: torch.Tensor  # (B,) bool, True if the row emitted a stop id
 
 
+# ----------------------------------------------------------------------------- KV budget
+
+def _kv_heads_and_dim(config) -> tuple[int, int]:
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return heads, head_dim
+
+
+def kv_bytes_per_token(config, dtype) -> int:
+    """Bytes of KV cache one token costs: K and V, every layer, every kv head."""
+    heads, head_dim = _kv_heads_and_dim(config)
+    return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def rows_that_fit(kv_budget: int, bytes_per_token: int, length: int) -> int:
+    """Rows of `length` tokens (prompt + max_new_tokens) that `kv_budget` bytes hold."""
+    return int(kv_budget) // (bytes_per_token * length)
+
+
+def default_kv_budget(device, fraction: float = KV_FRACTION) -> int:
+    """Bytes a generate call may hold: `fraction` of the free memory of a CUDA device (measure
+    it after the model is loaded), CPU_KV_BUDGET elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * fraction)
+    return CPU_KV_BUDGET
+
+
+def kv_budget_line(kv_budget: int, bytes_per_token: int, prompt_tokens: int, new_tokens: int) -> str:
+    """The line a script prints once: what the budget holds at its length limits."""
+    n = rows_that_fit(kv_budget, bytes_per_token, prompt_tokens + new_tokens)
+    return f"KV budget {kv_budget / 2**30:.2f} GiB holds {n} rows of {prompt_tokens}+{new_tokens} tokens"
+
+
+def _slot_count(rows: int, need: int, bytes_per_token: int, kv_budget, max_rows) -> int:
+    """Slots the call holds: every row, capped by max_rows and by what the budget holds."""
+    slots = rows if max_rows is None else max(1, min(rows, max_rows))
+    if kv_budget is not None:
+        fit = rows_that_fit(kv_budget, bytes_per_token, need)
+        if fit < 1:
+            raise ValueError(f"kv_budget {int(kv_budget):,} B is smaller than one row's need: {need} tokens "
+                             f"(prompt + max_new_tokens) x {bytes_per_token:,} B per token = "
+                             f"{need * bytes_per_token:,} B")
+        slots = min(slots, fit)
+    return slots
+
+
+# ----------------------------------------------------------------------------- the slot cache
+
 def _cache_kwarg(model) -> str:
+    return _cache_kwarg_of(type(model))
+
+
+@functools.lru_cache
+def _cache_kwarg_of(model_class) -> str:
     # transformers 5.x renamed `past_key_values` to `cache` (the old name warns until 5.40)
-    params = inspect.signature(model.forward).parameters
+    params = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
 def _new_cache(model):
-    from transformers import DynamicCache
     try:
         return DynamicCache(config=model.config)
     except TypeError:  # older transformers
         return DynamicCache()
 
 
-def _preallocate(cache, length: int) -> None:
-    """Give every cache layer buffers of the final length, written in place, instead of the
-    `torch.cat` per token that copies the whole cache of every row at every step (half of the
-    decode time on CPU at a few hundred rows). The layer's keys / values become views of the
-    filled part. A cache of another kind (older transformers) is left as it is."""
-    for layer in getattr(cache, "layers", None) or []:
-        if type(layer).__name__ != "DynamicLayer" or getattr(layer, "keys", None) is None:
-            return
-    for layer in getattr(cache, "layers", None) or []:
-        k, v = layer.keys, layer.values                        # (B, H, P, D)
-        shape = (*k.shape[:-2], length, k.shape[-1])
-        kbuf, vbuf = k.new_empty(shape), v.new_empty(shape)    # (B, H, length, D)
-        kbuf[..., : k.shape[-2], :], vbuf[..., : v.shape[-2], :] = k, v
+@dataclass
+class _Plan:
+    """Where the forward in progress writes; one object shared by every layer of the cache."""
+    span: torch.Tensor            # (L,) arange over a slot's columns
+    ids: torch.Tensor             # (S,) arange over the slots
+    prefill: bool = False
+    width: int = 0                # cached columns before the forward's own (sizes HF's mask)
+    rows: torch.Tensor = None     # decode: (n,) arange over the slots in the batch
+    at: torch.Tensor = None       # decode: (n,) column each slot writes
+    col: int | None = None        # decode: the column every slot writes, when they all share one
+    slots: torch.Tensor = None    # prefill: (N,) slot of each newcomer
+    src: torch.Tensor = None      # prefill: (N,) its row in the prefill batch
 
-        def update(key_states, value_states, *args, _l=layer, _k=kbuf, _v=vbuf, **kwargs):
-            n, m = _l.keys.shape[-2], key_states.shape[-2]
-            _k[..., n : n + m, :], _v[..., n : n + m, :] = key_states, value_states
-            _l.keys, _l.values = _k[..., : n + m, :], _v[..., : n + m, :]
-            return _l.keys, _l.values
-        layer.keys, layer.values = kbuf[..., : k.shape[-2], :], vbuf[..., : v.shape[-2], :]
-        layer.update = update
 
+class _SlotLayer(DynamicLayer):
+    """One layer's K and V for S slots of L columns, (S, H, L, D) each, written in place."""
+
+    def __init__(self, keys, values, plan: _Plan):
+        super().__init__()
+        self.keys, self.values, self.plan = keys, values, plan
+        self.is_initialized = True
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.plan.width  # HF sizes the mask as this + the forward's own tokens
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        p = self.plan
+        if p.prefill:  # (U, H, P, D), left-padded: each newcomer's row into columns [0, P) of its slot
+            P = key_states.shape[-2]
+            self.keys[p.slots, :, :P], self.values[p.slots, :, :P] = key_states[p.src], value_states[p.src]
+            return key_states, value_states
+        n, w = len(p.rows), p.width + 1
+        if p.col is not None:  # every slot at one column: a plain slice write (about 2x faster)
+            self.keys[:n, :, p.col], self.values[:n, :, p.col] = key_states[:, :, 0], value_states[:, :, 0]
+        else:                  # (n, H, D): each row at its own column
+            self.keys[p.rows, :, p.at], self.values[p.rows, :, p.at] = key_states[:, :, 0], value_states[:, :, 0]
+        return self.keys[:n, :, :w], self.values[:n, :, :w]     # (n, H, W+1, D)
+
+
+def _slot_cache(model, slots: int, length: int):
+    """A cache of `slots` x `length` columns per layer, zero-filled: masked columns are still
+    multiplied by a zero weight in attention, and uninitialised memory may hold NaN
+    (0 x NaN = NaN), so every column must hold a finite number."""
+    cfg, dev = model.config, next(model.parameters()).device
+    heads, head_dim = _kv_heads_and_dim(cfg)
+    cache = _new_cache(model)
+    if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", [])):
+        raise NotImplementedError("generate supports full-attention models only (no sliding-window layers)")
+    plan = _Plan(span=torch.arange(length, device=dev), ids=torch.arange(slots, device=dev))
+    shape = (slots, heads, length, head_dim)
+    cache.layers = [_SlotLayer(torch.zeros(shape, dtype=model.dtype, device=dev),
+                               torch.zeros(shape, dtype=model.dtype, device=dev), plan)
+                    for _ in range(cfg.num_hidden_layers)]
+    return cache, plan
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of the tensors the cache's layers hold (measured from their storage)."""
+    storages = {}
+    for layer in cache.layers:
+        for t in vars(layer).values():
+            if torch.is_tensor(t):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+# ----------------------------------------------------------------------------- sampling
 
 def left_pad(prompts: list, pad_id: int, device):
     """(ids (B, P), mask (B, P)) with each prompt right-aligned."""
@@ -100,62 +239,289 @@ def sample_next(logits, temperature: float, top_p: float, generator):
         probs = logp.exp()
         if top_p < 1.0:
             sp, si = probs.sort(-1, descending=True)
-            drop = sp.cumsum(-1) - sp > top_p   # keep the smallest prefix whose mass reaches top_p
+            # keep the smallest prefix whose mass reaches top_p: a token goes once the mass
+            # before it already reaches top_p (`>=`: on an exact tie the next token is not kept)
+            drop = sp.cumsum(-1) - sp >= top_p
             ids = si.gather(-1, _draw(sp.masked_fill(drop, 0.0), generator)[:, None]).squeeze(-1)
         else:
             ids = _draw(probs, generator)
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
 
+# ----------------------------------------------------------------------------- the decode batch
+
+@dataclass
+class _Slots:
+    """The n slots of the decode batch. The host counters decide everything (no sync); `dev`
+    is their copy on the device, for the step's writes."""
+    h: np.ndarray                # (5, n) int64 counters: row, made, pos, live, pad (views below)
+    limit: np.ndarray            # (n,) the row's max_new_tokens
+    pid: np.ndarray              # (n,) distinct prompt whose K/V the slot's first columns hold, -1 none
+    spare: int                   # the output row free slots write to (B, a row of no prompt)
+    park: int                    # the column free slots write to (L-1, which no prompt reaches)
+    dev: torch.Tensor = None     # (5, n) long: `h` on the device
+    tok: torch.Tensor = None     # (n,) the token each slot sampled last
+    logits: torch.Tensor = None  # (n, V) fp32 logits of each slot's next token
+    shared: np.ndarray = None    # on CPU: the `h` that `dev` shares memory with
+
+    row = property(lambda self: self.h[0])   # (n,) prompt index held, `spare` when free
+    made = property(lambda self: self.h[1])  # (n,) tokens sampled so far
+    pos = property(lambda self: self.h[2])   # (n,) column of the last sampled token
+    live = property(lambda self: self.h[3])  # (n,) 1 if the slot holds a row that has not ended
+    pad = property(lambda self: self.h[4])   # (n,) columns before the prompt: position = column - pad
+
+    @classmethod
+    def empty(cls, n: int, spare: int, park: int):
+        h = np.zeros((5, n), dtype=np.int64)
+        h[0], h[2] = spare, park
+        return cls(h=h, limit=np.zeros(n, dtype=np.int64), pid=np.full(n, -1), spare=spare, park=park)
+
+    def upload(self, device):
+        """Copy the counters to the device without a sync (pinned memory on CUDA). On CPU the
+        tensor shares `h`, so later changes to `h` show through without a copy."""
+        if device.type == "cpu" and self.shared is self.h:
+            return
+        t = torch.from_numpy(self.h)
+        self.dev = (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+        self.shared = self.h if device.type == "cpu" else None
+
+    def select(self, keep: np.ndarray, device):
+        """Keep only the slots `keep` (in that order): the batch shrinks to them."""
+        self.h, self.limit, self.pid = self.h[:, keep], self.limit[keep], self.pid[keep]
+        k = torch.from_numpy(keep).to(device)
+        self.tok, self.logits = self.tok[k], self.logits[k]
+        self.upload(device)
+
+
+@dataclass
+class _Job:
+    """One generate call: the prompts, their limits, the queue and the outputs being filled."""
+    prompts: list
+    limits: np.ndarray    # (B,) max_new_tokens per prompt
+    pids: list            # (B,) distinct-prompt id of each prompt (prefix sharing)
+    queue: deque          # prompt indices not yet admitted, identical prompts adjacent
+    waiting: Counter      # distinct-prompt id -> copies still in the queue
+    first: dict           # distinct-prompt id -> (V,) logits of its first token, while copies wait
+    tokens: torch.Tensor  # (B+1, T) ids; row B is the spare row free slots write to
+    logps: torch.Tensor   # (B+1, T) fp32
+    length: np.ndarray    # (B,) tokens produced
+    finished: np.ndarray  # (B,) bool, emitted a stop id
+    pad_id: int
+
+
+def _new_job(prompts, limits, pad_id, share_prefix, device) -> _Job:
+    ids = {}
+    same = [ids.setdefault(tuple(p), len(ids)) for p in prompts]  # (B,) id of each distinct prompt
+    pids = same if share_prefix else list(range(len(prompts)))
+    B, T = len(prompts), int(limits.max())
+    # identical prompts queue side by side (whether shared or not, so both run the same schedule)
+    queue = deque(sorted(range(B), key=lambda i: (same[i], i)))
+    return _Job(prompts=prompts, limits=limits, pids=pids, queue=queue, waiting=Counter(pids), first={},
+                tokens=torch.full((B + 1, T), pad_id, dtype=torch.long, device=device),
+                logps=torch.zeros((B + 1, T), dtype=torch.float32, device=device),
+                length=np.zeros(B, dtype=np.int64), finished=np.zeros(B, dtype=bool),
+                pad_id=pad_id)
+
+
+def _limits(prompts: list, max_new_tokens) -> np.ndarray:
+    """(B,) max_new_tokens per prompt, checked."""
+    B = len(prompts)
+    one = np.ndim(max_new_tokens) == 0
+    limits = np.full(B, int(max_new_tokens)) if one else np.asarray(list(max_new_tokens), dtype=np.int64)
+    if B == 0 or limits.shape != (B,) or limits.min() < 1 or min(map(len, prompts)) < 1:
+        raise ValueError("generate needs at least one prompt, none empty, and max_new_tokens >= 1 "
+                         "(one int, or one per prompt)")
+    return limits.astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- the steps
+
+def _prefill(model, cache, plan, distinct: list, room: list, dst: list, src: list, pad_id: int):
+    """Run the U `distinct` prompts through the model, left-padded, in chunks; the K/V of
+    distinct[src[k]] goes straight into columns [0, P) of slot dst[k], P its chunk's padded
+    length. A chunk holds at most PREFILL_TOKENS padded tokens and pads no prompt past its
+    `room` (the columns its rows may fill before their new tokens). Return the (U, V) fp32
+    logits of each prompt's first new token and the (U,) P of its chunk."""
+    dev = plan.span.device
+    chunks = [[]]
+    for u in sorted(range(len(distinct)), key=lambda u: -len(distinct[u])):  # longest first
+        c = chunks[-1]
+        if c and ((len(c) + 1) * len(distinct[c[0]]) > PREFILL_TOKENS or len(distinct[c[0]]) > room[u]):
+            chunks.append(c := [])
+        c.append(u)
+    dst, src = np.asarray(dst), np.asarray(src)
+    logits, width = [None] * len(distinct), np.zeros(len(distinct), dtype=np.int64)
+    for chunk in chunks:
+        ids, mask = left_pad([distinct[u] for u in chunk], pad_id, dev)    # (U', P)
+        sel = np.flatnonzero(np.isin(src, chunk))                          # newcomers of this chunk
+        where = {u: i for i, u in enumerate(chunk)}
+        plan.prefill, plan.width = True, 0
+        plan.slots = torch.from_numpy(dst[sel]).to(dev)
+        plan.src = torch.tensor([where[u] for u in src[sel]], device=dev)
+        res = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
+        for i, u in enumerate(chunk):
+            logits[u], width[u] = res.logits[i, -1].float(), ids.shape[1]
+    plan.prefill = False
+    return torch.stack(logits), width
+
+
+def _copy_prompts(cache, dst: list, src: list, width: int) -> None:
+    """Copy the first `width` columns of slots `src` into slots `dst` (gathered before written,
+    so a slot may be both a source and a destination)."""
+    dev = cache.layers[0].keys.device
+    d, s = torch.tensor(dst, device=dev), torch.tensor(src, device=dev)
+    for layer in cache.layers:
+        layer.keys[d, :, :width] = layer.keys[s, :, :width]        # (N, H, width, D)
+        layer.values[d, :, :width] = layer.values[s, :, :width]
+
+
+def _first_logits(model, cache, plan, st: _Slots, job: _Job, free, rows, counts):
+    """(N, V) logits of each newcomer's first token and (N,) its pad, its prompt's K/V put in
+    its slot: copied from a slot that holds the same prompt (whose first logits were kept while
+    copies waited) when the newcomer's limit fits behind that slot's pad, else prefilled, each
+    distinct prompt once."""
+    L, N = len(plan.span), len(rows)
+    pids, lens, limits = [job.pids[r] for r in rows], [len(job.prompts[r]) for r in rows], job.limits[rows]
+    held = dict(zip(st.pid.tolist(), range(len(st.pid))))  # distinct prompt -> a slot with its K/V
+    src = [held.get(q, -1) if q in job.first else -1 for q in pids]
+    copy = [k for k in range(N) if src[k] >= 0 and st.pad[src[k]] + lens[k] + limits[k] <= L]
+    out, pad = [None] * N, np.zeros(N, dtype=np.int64)
+    if copy:  # before the prefill, which may overwrite a holder that was freed
+        _copy_prompts(cache, [free[k] for k in copy], [src[k] for k in copy],
+                      max(st.pad[src[k]] + lens[k] for k in copy))
+        for k in copy:
+            out[k], pad[k] = job.first[pids[k]], st.pad[src[k]]
+    fresh = sorted(set(range(N)) - set(copy))
+    if fresh:
+        u = {q: i for i, q in enumerate(dict.fromkeys(pids[k] for k in fresh))}  # distinct prompts
+        prompt, room = [None] * len(u), [L] * len(u)
+        for k in fresh:
+            prompt[u[pids[k]]] = job.prompts[rows[k]]
+            room[u[pids[k]]] = min(room[u[pids[k]]], L - limits[k])
+        first, width = _prefill(model, cache, plan, prompt, room, [free[k] for k in fresh],
+                                [u[pids[k]] for k in fresh], job.pad_id)   # (U, V), (U,)
+        counts["prefill_rows"] += len(u)
+        for k in fresh:
+            out[k], pad[k] = first[u[pids[k]]], width[u[pids[k]]] - lens[k]
+    _keep_first_logits(job, pids, out)
+    return torch.stack(out), pad                                              # (N, V), (N,)
+
+
+def _keep_first_logits(job: _Job, pids: list, out: list) -> None:
+    """Keep a prompt's first logits while copies of it still wait in the queue."""
+    for q, c in Counter(pids).items():
+        job.waiting[q] -= c
+        if job.waiting[q] == 0:
+            job.first.pop(q, None)
+        elif q not in job.first:
+            job.first[q] = out[pids.index(q)].clone()
+
+
+def _refill(model, cache, plan, st: _Slots, job: _Job, counts) -> None:
+    """Give the free slots to the next waiting prompts, once enough are free (REFILL_AT)."""
+    if not job.queue:
+        return
+    free = np.flatnonzero(st.live == 0)[: len(job.queue)]
+    if len(free) < min(math.ceil(REFILL_AT * len(st.live)), len(job.queue)):
+        return
+    dev = plan.span.device
+    rows = np.array([job.queue.popleft() for _ in free])
+    logits, pad = _first_logits(model, cache, plan, st, job, free, rows, counts)  # (N, V), (N,)
+    if st.logits is None:
+        st.logits = logits.new_zeros((len(st.live), logits.shape[1]))         # (n, V)
+        st.tok = torch.zeros(len(st.live), dtype=torch.long, device=dev)
+    st.logits[torch.from_numpy(free).to(dev)] = logits
+    lens = np.array([len(job.prompts[r]) for r in rows])
+    st.h[:, free] = np.stack([rows, 0 * rows, pad + lens - 1, 0 * rows + 1, pad])  # row, made, pos, live, pad
+    st.limit[free], st.pid[free] = job.limits[rows], np.asarray(job.pids)[rows]
+    st.upload(dev)
+
+
+def _retire(st: _Slots, job: _Job, hit: np.ndarray) -> None:
+    """Free the slots whose row just ended (a stop id, or its limit). A free slot keeps
+    writing, at column `park` (L-1), which no prompt reaches: its first columns keep the
+    prompt's K/V, for a later copy of the same prompt."""
+    ended = np.flatnonzero((st.live == 1) & (hit | (st.made >= st.limit)))
+    if len(ended):
+        rows = st.row[ended]
+        job.length[rows], job.finished[rows] = st.made[ended], hit[ended]
+        st.h[:4, ended] = np.array([st.spare, 0, st.park, 0])[:, None]  # pad kept with the prompt
+
+
+def _shrink(cache, st: _Slots, device) -> None:
+    """Drop the free slots (the queue is empty): the live rows' K/V move to the first slots, one
+    layer at a time, so the copy in flight is one layer's live rows, not a second cache."""
+    keep = np.flatnonzero(st.live)
+    k = torch.from_numpy(keep).to(device)
+    for layer in cache.layers:
+        layer.keys[: len(keep)] = layer.keys[k]     # (m, H, L, D)
+        layer.values[: len(keep)] = layer.values[k]
+    st.select(keep, device)
+
+
+def _decode(model, cache, plan, st: _Slots) -> torch.Tensor:
+    """One forward over the batch: every slot feeds its last token at its own column and
+    attends columns [0, W], W the furthest live column; return the (n, V) fp32 next-token logits."""
+    pos, pad = st.dev[2], st.dev[4]                         # (n,) column of the token fed, its pad
+    plan.width = int((st.pos * st.live).max())              # host counters: no sync
+    same = st.live.all() and st.pos.min() == st.pos.max()   # rows admitted together share columns
+    plan.rows, plan.at, plan.col = plan.ids[: len(st.live)], pos, int(st.pos[0]) if same else None
+    # a row attends its own columns only; a free slot (parked past W) sees finite junk
+    cols = plan.span[: plan.width + 1]
+    attn = (cols >= pad[:, None]) & (cols <= pos[:, None])  # (n, W+1)
+    res = model(input_ids=st.tok[:, None], attention_mask=attn, position_ids=(pos - pad)[:, None],
+                use_cache=True, **{_cache_kwarg(model): cache})
+    return res.logits[:, -1].float()                        # (n, V)
+
+
 @torch.no_grad()  # not inference_mode: its tensors could not be reused by autograd later
-def generate(model, prompts: list, max_new_tokens: int, stop_ids, pad_id: int,
-             temperature: float = 1.0, top_p: float = 1.0, generator=None,
-             share_prefix: bool = True) -> Generation:
-    """Sample a completion for every prompt (a list of token-id lists)."""
-    if max_new_tokens < 1 or not prompts:
-        raise ValueError("generate needs at least one prompt and max_new_tokens >= 1")
+def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
+             temperature: float = 1.0, top_p: float = 1.0, generator=None, share_prefix: bool = True,
+             kv_budget: int | None = None, max_rows: int | None = None, stats: dict | None = None) -> Generation:
+    """Sample a completion for every prompt (a list of token-id lists). `max_new_tokens`: one
+    limit, or one per prompt. At most `kv_budget` bytes of KV cache (None: every row at once)
+    and `max_rows` rows are held. `stats`, a dict, gets prefill_rows (prompts run through a
+    prefill) and decode_steps added, and kv_bytes (cache tensors held) and slots (rows held at
+    once) raised to this call's."""
+    limits = _limits(prompts, max_new_tokens)
     dev = next(model.parameters()).device
-    B, T = len(prompts), max_new_tokens
-    if share_prefix:  # prefill each distinct prompt once
-        uniq = {}
-        src = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts], device=dev)
-        to_fill = [list(p) for p in uniq]
-    else:
-        src, to_fill = None, prompts
-    ids, mask = left_pad(to_fill, pad_id, dev)  # (B', P)
-    P = ids.shape[1]
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)    # (B', P) same formula as the trainer
-    cache, ckw = _new_cache(model), _cache_kwarg(model)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                logits_to_keep=1, **{ckw: cache})
-    logits = out.logits[:, -1].float()          # (B', V)
-    next_pos = pos[:, -1] + 1                   # (B',) position of the first new token
-    if src is not None and len(to_fill) < B:    # replicate prefilled rows to the full batch
-        cache.batch_select_indices(src)
-        logits, mask, next_pos = logits[src], mask[src], next_pos[src]
-
-    _preallocate(cache, P + T)
+    need = max(len(p) + int(t) for p, t in zip(prompts, limits))  # columns of the longest row
+    S = _slot_count(len(prompts), need, kv_bytes_per_token(model.config, model.dtype), kv_budget, max_rows)
+    cache, plan = _slot_cache(model, S, need)
+    job, st = _new_job(prompts, limits, pad_id, share_prefix, dev), _Slots.empty(S, spare=len(prompts), park=need - 1)
     stops = torch.tensor(sorted(set(stop_ids)), device=dev)
-    tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)   # (B, T)
-    logps = torch.zeros((B, T), dtype=torch.float32, device=dev)       # (B, T)
-    live = torch.ones((B, T), dtype=torch.bool, device=dev)            # (B, T)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)                # (B,)
-    attn = torch.cat([mask, torch.ones((B, T), dtype=mask.dtype, device=dev)], 1)  # (B, P+T)
-    t = 0
-    for t in range(T):
-        tok, lp = sample_next(logits, temperature, top_p, generator)
-        tok = tok.masked_fill(done, pad_id)     # rows already done emit pad
-        tokens[:, t], logps[:, t], live[:, t] = tok, lp.masked_fill(done, 0.0), ~done
-        done = done | torch.isin(tok, stops)
-        if t == T - 1 or bool(done.all()):      # the one host sync of the step
+    counts = Counter(prefill_rows=0, decode_steps=0)
+    while True:
+        _refill(model, cache, plan, st, job, counts)
+        if not st.live.any():
             break
-        out = model(input_ids=tok[:, None], attention_mask=attn[:, : P + t + 1],
-                    position_ids=(next_pos + t)[:, None], use_cache=True, **{ckw: cache})
-        logits = out.logits[:, -1].float()      # (B, V)
-    n = t + 1  # columns actually produced; the rest is pad
-    live[:, n:] = False
-    return Generation(tokens[:, :n], logps[:, :n], live[:, :n], done)
+        tok, lp = sample_next(st.logits, temperature, top_p, generator)   # (n,)
+        job.tokens[st.dev[0], st.dev[1]], job.logps[st.dev[0], st.dev[1]] = tok, lp
+        hit = (tok[:, None] == stops).any(-1).cpu().numpy()               # the one host sync of the step
+        st.tok = tok
+        st.h[1:3] += st.live                                             # made, pos += live
+        _retire(st, job, hit)
+        st.upload(dev)
+        if not job.queue and 0 < 2 * st.live.sum() <= len(st.live):
+            _shrink(cache, st, dev)
+        if st.live.any():
+            st.logits = _decode(model, cache, plan, st)
+            counts["decode_steps"] += 1
+    if stats is not None:
+        for k, v in counts.items():
+            stats[k] = stats.get(k, 0) + v
+        stats["kv_bytes"] = max(stats.get("kv_bytes", 0), cache_bytes(cache))
+        stats["slots"] = max(stats.get("slots", 0), S)
+    return _output(job)
 
+
+def _output(job: _Job) -> Generation:
+    dev = job.tokens.device
+    T = int(job.length.max())
+    length = torch.from_numpy(job.length).to(dev)
+    mask = torch.arange(T, device=dev) < length[:, None]      # (B, T), the stop token included
+    return Generation(job.tokens[:-1, :T], job.logps[:-1, :T], mask, torch.from_numpy(job.finished).to(dev))
 
 # ----------------------------------------------------------------------------- workflow llm
 
@@ -169,19 +535,6 @@ def render(tokenizer, messages, max_prompt_tokens: int | None = None) -> tuple[l
     if max_prompt_tokens and len(ids) > max_prompt_tokens:
         return ids[-max_prompt_tokens:], True
     return ids, False
-
-
-def kv_bytes_per_token(model) -> int:
-    """K and V of every layer for one token: 2 x layers x kv heads x head dim x dtype size."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    return 2 * c.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
-
-
-def default_kv_budget(model, device, budget_gb=None) -> int:
-    """Bytes of KV cache the sampler may hold (placeholder until the budgeted sampler lands)."""
-    return int((budget_gb or 4.0) * 2**30)
 
 
 def make_clip(tokenizer, max_tokens: int | None):
@@ -205,11 +558,12 @@ def make_llm(policy, *, temperature: float = 0.7, top_p: float = 1.0, max_new_to
              kv_budget: int | None = None, max_embed_tokens: int | None = None):
     """The `llm(role, slots, messages_list) -> list[Call]` that workflows.py calls once per stage.
 
-    Every call of a stage goes to the adapter of its role in one `generate` (or chunks of
-    `max_rows` rows, identical prompts kept together so they still share their prefill), and
-    is recorded as a Call with its prompt ids, completion ids (stop token included), sampler
-    logprobs and finished flag; the text is the decoded completion without special tokens.
-    `llm.stats` counts calls and cut prompts per role."""
+    Every call of a stage goes to the adapter of its role in one `generate`, which holds at most
+    `kv_budget` bytes of KV cache and `max_rows` rows at once (continuous batching; identical
+    prompts still share their prefill), and is recorded as a Call with its prompt ids,
+    completion ids (stop token included), sampler logprobs and finished flag; the text is the
+    decoded completion without special tokens. `llm.stats` counts calls and cut prompts per
+    role, plus the sampler's counters (see `generate`)."""
     from policies import stop_ids
     from workflows import Call
 
@@ -223,21 +577,17 @@ def make_llm(policy, *, temperature: float = 0.7, top_p: float = 1.0, max_new_to
         s = stats.setdefault(role, {"calls": 0, "prompt_cut": 0})
         s["calls"] += len(prompts)
         s["prompt_cut"] += sum(cut for _, cut in rendered)
-        order = sorted(range(len(prompts)), key=lambda i: prompts[i])  # identical prompts adjacent
-        step = max_rows or len(order)
-        calls = [None] * len(prompts)
         with policy.using(policy.adapter(role)) as model:
-            for c in range(0, len(order), step):
-                rows = order[c : c + step]
-                out = generate(model, [prompts[i] for i in rows], max_new_tokens, stops, tok.pad_token_id,
-                               temperature=temperature, top_p=top_p, generator=generator)
-                for j, i in enumerate(rows):
-                    keep = out.mask[j]
-                    ids = out.tokens[j][keep].tolist()
-                    calls[i] = Call(role=role, slot=slots[i], messages=messages_list[i],
-                                    text=tok.decode(ids, skip_special_tokens=True), prompt_ids=prompts[i],
-                                    completion_ids=ids, logprobs=out.logprobs[j][keep].tolist(),
-                                    finished=bool(out.finished[j]))
+            out = generate(model, prompts, max_new_tokens, stops, tok.pad_token_id, temperature=temperature,
+                           top_p=top_p, generator=generator, kv_budget=kv_budget, max_rows=max_rows, stats=s)
+        calls = []
+        for i, ids in enumerate(prompts):
+            keep = out.mask[i]
+            comp = out.tokens[i][keep].tolist()
+            calls.append(Call(role=role, slot=slots[i], messages=messages_list[i],
+                              text=tok.decode(comp, skip_special_tokens=True), prompt_ids=ids,
+                              completion_ids=comp, logprobs=out.logprobs[i][keep].tolist(),
+                              finished=bool(out.finished[i])))
         return calls
 
     llm.stats = stats

@@ -112,8 +112,8 @@ def _rollout_flags(g):
     g.add_argument("--max-embed-tokens", type=int, default=None, help="an earlier call's text (a solution, an "
                    "attempt) embedded in a later prompt keeps at most this many tokens, its head and tail "
                    "(default: none at --scale toy, %d otherwise)" % tasks.MAX_EMBED_TOKENS)
-    g.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache the sampler may hold, GiB (default: "
-                   "a share of free GPU memory on CUDA, a fixed amount on CPU; printed at start)")
+    g.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache a generate call may hold, GiB (default: "
+                   "half of the GPU memory left free after loading on CUDA, 4 on CPU; printed at start)")
     g.add_argument("--max-rows", type=int, default=None, help="most rows decoded at once (default: as many as the KV budget holds)")
 
 
@@ -431,7 +431,8 @@ def setup(args, comm=None):
     optimizers, schedulers = grpo.make_optimizers(policy, args.lr, args.warmup_steps, args.steps,
                                                   weight_decay=args.weight_decay)
     gen = torch.Generator(device).manual_seed(args.seed + 1000 * rank)
-    kv_budget = rollout.default_kv_budget(model, device, args.kv_budget_gb)
+    # measured after the model is loaded: on CUDA the default is a share of what is left free
+    kv_budget = int(args.kv_budget_gb * 2**30) if args.kv_budget_gb else rollout.default_kv_budget(device)
     files = {k: os.path.join(args.out, f"{k}.jsonl") for k in ("metrics", "eval", "samples")}
     return Run(args, policy, optimizers, schedulers, gen, torch.Generator().manual_seed(args.seed + 1 + 1000 * rank),
                make_llm(policy, args, gen, kv_budget), train_set, test_set, files, kv_budget=kv_budget, comm=comm,
@@ -439,23 +440,24 @@ def setup(args, comm=None):
 
 
 def print_plan(run):
-    """One line of memory: weights, trainable weights with AdamW states, KV budget and the
+    """One line of memory: weights, trainable weights with AdamW states, the KV budget and the
     rows it holds at the length limits, and the training micro-batch; a user sees at once
-    whether the run fits."""
+    whether the run fits. The prompt length is the limit, else the longest prompt expected: an
+    aggregator's three clipped solutions plus ~512 tokens of instruction and problem."""
     import rollout
     a, p = run.args, run.policy
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     weights = sum(t.numel() * t.element_size() for t in p.model.parameters())
     trainable = sum(t.numel() for n in p.names for t in p.parameters_of(n))
-    per_tok = rollout.kv_bytes_per_token(p.model)
-    row = (a.max_prompt_tokens or 2 * a.max_new_tokens) + a.max_new_tokens
-    cfg = p.model.config
-    logits = a.token_budget * cfg.vocab_size * 2 * next(p.model.parameters()).element_size()
-    acts = a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * next(p.model.parameters()).element_size()
+    cfg, size = p.model.config, next(p.model.parameters()).element_size()
+    per_tok = rollout.kv_bytes_per_token(cfg, next(p.model.parameters()).dtype)
+    prompt = a.max_prompt_tokens or 3 * (a.max_embed_tokens or a.max_new_tokens) + 512
+    logits = a.token_budget * cfg.vocab_size * 2 * size        # the logits and their gradient
+    acts = a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size
     print(f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
-          f"{gib(16 * trainable)} | KV budget {gib(run.kv_budget)} holds {run.kv_budget // (per_tok * row)} rows of "
-          f"{row} tokens ({per_tok / 1024:.0f} KiB a token) | micro-batch {a.token_budget} tokens: logits + grad "
-          f"{gib(logits)}, layer inputs {gib(acts)}{' (checkpointed)' if p.checkpointing else ' + every activation'}")
+          f"{gib(16 * trainable)} | {rollout.kv_budget_line(run.kv_budget, per_tok, prompt, a.max_new_tokens)} "
+          f"({per_tok / 1024:.0f} KiB a token) | micro-batch {a.token_budget} tokens: logits + grad {gib(logits)}, "
+          f"layer inputs {gib(acts)}{' (checkpointed)' if p.checkpointing else ' + every activation'}")
 
 
 def open_run_folder(run):

@@ -1,15 +1,30 @@
-"""Tokens per second of rollout.generate against model.generate, measured in one run.
+"""Tokens per second of rollout.generate against lockstep batches and model.generate, in one run.
 
-    python bench/generate.py                       # small random Qwen3 on CPU
-    python bench/generate.py --device cuda --config 0.6b --batch 64 --new 256
+    python bench/generate.py                                   # both workloads, small random Qwen3, CPU
+    python bench/generate.py --workload realistic --prompts 512 --slots 64
+    python bench/generate.py --device cuda --config 0.6b --prompts 512 --slots 256 --new 512
+    python bench/generate.py --check --device cuda                 # greedy parity, tiny model
 
-Both samplers get the same model, the same left-padded prompts, the same sampling settings
-(temperature, top_p=1) and no early stop (the random model rarely emits a stop id; stop ids are
-set to an id the prompts never hold, and `min_new_tokens` is not used, so both produce
-batch x new tokens). The ratio > 1 means ours is faster. Each is run --repeats times after one
-warm-up call and the best time is kept (these machines are shared and noisy).
+Every sampler gets the same model, prompts and sampling settings (temperature, top_p=1). The stop
+id is one the prompts never hold and the random model (almost) never samples, so a row runs to
+its own limit, and tokens/s counts the tokens the rows asked for (the sum of their limits), the
+same figure for every sampler. Workloads:
+- equal: --slots rows of --equal-new tokens each, all held at once. The reference is today's
+  algorithm before continuous batching (`lockstep_generate` below, the old rollout.generate
+  verbatim); the ratio continuous / lockstep must stay >= 1.
+- realistic: --prompts rows whose limits are drawn from a lognormal (median --median x --new,
+  sigma --sigma) capped at --new: most rows short, a few long, like real completions. The KV
+  budget holds --slots rows of the longest prompt + --new tokens. Continuous batching (one
+  generate over all rows in that budget) against lockstep batches of --slots rows in input order
+  (the same memory: each batch runs until its longest row ends), and against model.generate in
+  the same batches. Goal on CPU: continuous / lockstep >= 1.5.
+Each sampler runs once to warm up (its first --slots rows, 8 tokens each), then --repeats times, interleaved, best time kept (these
+machines are shared and noisy; only ratios within one run mean anything). On a CPU device the
+time is the process's CPU time by default (`--clock cpu`; run with OMP_NUM_THREADS=1), which other
+jobs on the machine disturb far less than the wall time.
 """
 import argparse
+import math
 import os
 import sys
 import time
@@ -19,7 +34,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
 
-CONFIGS = {  # published Qwen3 shapes (random weights: speed does not depend on them)
+CONFIGS = {  # small shapes, and the published Qwen3 ones (random weights: speed does not depend on them)
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512),
+    "toy": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,  # toy.py's
+                num_key_value_heads=2, head_dim=32, vocab_size=512),  # shape (its vocabulary is 25)
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=32, vocab_size=4096),
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -31,63 +50,234 @@ CONFIGS = {  # published Qwen3 shapes (random weights: speed does not depend on 
 }
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="small", choices=sorted(CONFIGS), help="model shape")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device")
-    ap.add_argument("--batch", type=int, default=32, help="prompts per batch")
-    ap.add_argument("--prompt-len", type=int, default=32, help="longest prompt; others are shorter")
-    ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
-    ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each, best kept")
-    ap.add_argument("--group", type=int, default=1, help="rows per distinct prompt (prefix sharing)")
-    args = ap.parse_args()
+# ----------------------------------------------------------------------------- the reference
 
+@torch.no_grad()
+def lockstep_generate(model, prompts, max_new_tokens, stop_ids, pad_id, temperature=1.0, top_p=1.0,
+                      generator=None):
+    """rollout.generate before continuous batching (commit bde6e8e), kept as the reference:
+    every row prefilled (identical prompts once), its cache preallocated to P + T, one step per
+    token for every row until all are done. Returns the (B, T) tokens."""
+    dev = next(model.parameters()).device
+    B, T = len(prompts), max_new_tokens
+    uniq = {}
+    src = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts], device=dev)
+    ids, mask = rollout.left_pad([list(p) for p in uniq], pad_id, dev)  # (B', P)
+    P = ids.shape[1]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache, ckw = rollout._new_cache(model), rollout._cache_kwarg(model)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                **{ckw: cache})
+    logits, next_pos = out.logits[:, -1].float(), pos[:, -1] + 1
+    if len(uniq) < B:
+        cache.batch_select_indices(src)
+        logits, mask, next_pos = logits[src], mask[src], next_pos[src]
+    _preallocate(cache, P + T)
+    stops = torch.tensor(sorted(set(stop_ids)), device=dev)
+    tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)
+    logps = torch.zeros((B, T), dtype=torch.float32, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    attn = torch.cat([mask, torch.ones((B, T), dtype=mask.dtype, device=dev)], 1)  # (B, P+T)
+    for t in range(T):
+        tok, lp = rollout.sample_next(logits, temperature, top_p, generator)
+        tok = tok.masked_fill(done, pad_id)
+        tokens[:, t], logps[:, t] = tok, lp.masked_fill(done, 0.0)
+        done = done | torch.isin(tok, stops)
+        if t == T - 1 or bool(done.all()):
+            break
+        out = model(input_ids=tok[:, None], attention_mask=attn[:, : P + t + 1],
+                    position_ids=(next_pos + t)[:, None], use_cache=True, **{ckw: cache})
+        logits = out.logits[:, -1].float()
+    return tokens
+
+
+def _preallocate(cache, length):
+    """The old in-place cache: each DynamicLayer gets buffers of the final length."""
+    for layer in cache.layers:
+        k, v = layer.keys, layer.values
+        shape = (*k.shape[:-2], length, k.shape[-1])
+        kbuf, vbuf = k.new_empty(shape), v.new_empty(shape)
+        kbuf[..., : k.shape[-2], :], vbuf[..., : v.shape[-2], :] = k, v
+
+        def update(key_states, value_states, *args, _l=layer, _k=kbuf, _v=vbuf, **kwargs):
+            n, m = _l.keys.shape[-2], key_states.shape[-2]
+            _k[..., n : n + m, :], _v[..., n : n + m, :] = key_states, value_states
+            _l.keys, _l.values = _k[..., : n + m, :], _v[..., : n + m, :]
+            return _l.keys, _l.values
+        layer.keys, layer.values = kbuf[..., : k.shape[-2], :], vbuf[..., : v.shape[-2], :]
+        layer.update = update
+
+
+# ----------------------------------------------------------------------------- the workloads
+
+def build_model(config: str, device: str):
+    """A random Qwen3 of a published shape, built on the device (fast at the real scales)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     torch.manual_seed(0)
-    cfg = Qwen3Config(**CONFIGS[args.config], tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6)
-    model = Qwen3ForCausalLM(cfg).to(args.device, dtype).eval()
-    V = cfg.vocab_size
-    stop = V - 1  # an id the prompts never hold; the random model almost never samples it
-    g = torch.Generator().manual_seed(0)
-    n_distinct = max(1, args.batch // args.group)
-    distinct = [torch.randint(3, V - 2, (args.prompt_len - (i % 8),), generator=g).tolist() for i in range(n_distinct)]
-    prompts = [distinct[i // args.group] for i in range(args.batch)]
-    ids, mask = rollout.left_pad(prompts, 0, args.device)
+    cfg = Qwen3Config(**CONFIGS[config], tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg)
+    return model.to(dtype).eval().requires_grad_(False)
 
-    def ours():
+
+def make_prompts(n: int, length: int, group: int, vocab: int, seed: int = 0) -> list:
+    """n prompts of up to `length` ids (8 lengths), `group` rows per distinct prompt."""
+    g = torch.Generator().manual_seed(seed)
+    distinct = [torch.randint(3, vocab - 2, (length - (i % 8),), generator=g).tolist()
+                for i in range(math.ceil(n / group))]
+    return [distinct[i // group] for i in range(n)]
+
+
+def lognormal_limits(n: int, cap: int, median: float, sigma: float, seed: int = 0) -> list:
+    """Heavy-tailed lengths: exp(N(log(median * cap), sigma)) rounded, in [1, cap]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.exp(math.log(median * cap) + sigma * torch.randn(n, generator=g))
+    return x.round().clamp(1, cap).long().tolist()
+
+
+def timed(fns: dict, warmups: dict, repeats: int, device: str, clock: str, report) -> None:
+    """Best time of each fn, after one short warm-up call each, runs interleaved; each fn's
+    `report(name, seconds, peak CUDA bytes)` is called as soon as its last run ends. clock "cpu"
+    is this process's CPU time (on a shared CPU machine it leaves out the time other jobs take
+    the core; run with OMP_NUM_THREADS=1), "wall" the wall time (with the device synchronised)."""
+    now, cuda = (time.process_time if clock == "cpu" else time.perf_counter), device.startswith("cuda")
+
+    def one(fn):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = now()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return now() - t0, torch.cuda.max_memory_allocated() if cuda else 0
+    for fn in warmups.values():
+        fn()
+    best, peak = {k: float("inf") for k in fns}, {k: 0 for k in fns}
+    for r in range(repeats):
+        for k, fn in fns.items():
+            t, m = one(fn)
+            best[k], peak[k] = min(best[k], t), max(peak[k], m)
+            if r == repeats - 1:
+                report(k, best[k], peak[k])
+
+
+def samplers(model, args, prompts, limits, slots):
+    """name -> fn running every prompt to its limit: continuous (one call in a budget of
+    `slots` rows), lockstep reference and model.generate in batches of `slots`."""
+    stop, temp = model.config.vocab_size - 1, args.temperature
+    bpt = rollout.kv_bytes_per_token(model.config, model.dtype)
+    budget = slots * (max(len(p) for p in prompts) + max(limits)) * bpt
+    batches = [range(a, min(a + slots, len(prompts))) for a in range(0, len(prompts), slots)]
+
+    def continuous():
         gen = torch.Generator(args.device).manual_seed(1)
-        out = rollout.generate(model, prompts, args.new, stop_ids=[stop], pad_id=0,
-                               temperature=args.temperature, generator=gen)
-        return int(out.mask.sum())
+        rollout.generate(model, prompts, limits, [stop], 0, temperature=temp, generator=gen,
+                         kv_budget=budget, max_rows=slots)
 
-    def theirs():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=args.temperature,
-                             top_p=1.0, top_k=0, max_new_tokens=args.new, min_new_tokens=args.new,
-                             eos_token_id=stop, pad_token_id=0)
-        return (out.shape[1] - ids.shape[1]) * args.batch
+    def lockstep():
+        gen = torch.Generator(args.device).manual_seed(1)
+        for b in batches:
+            lockstep_generate(model, [prompts[i] for i in b], max(limits[i] for i in b), [stop], 0,
+                              temperature=temp, generator=gen)
 
-    def timed(fn):
-        fn()  # warm-up
-        best, n = float("inf"), 0
-        for _ in range(args.repeats):
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            n = fn()
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        return n / best
+    def hf():
+        for b in batches:
+            ids, mask = rollout.left_pad([prompts[i] for i in b], 0, args.device)
+            T = max(limits[i] for i in b)
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temp, top_p=1.0,
+                           top_k=0, max_new_tokens=T, min_new_tokens=T, eos_token_id=stop, pad_token_id=0)
+    fns = {"lockstep": lockstep, "continuous": continuous, "model.generate": hf}
+    return {k: fns[k] for k in args.samplers.split(",")}, budget
+
+
+def run(model, args, name, prompts, limits, slots):
+    """Time every sampler on one workload; print a line per sampler as it ends, then the ratios."""
+    fns, budget = samplers(model, args, prompts, limits, slots)
+    warm, _ = samplers(model, args, prompts[:slots], [min(t, 8) for t in limits[:slots]], slots)
+    tokens = sum(limits)
+    print(f"{name}: {len(prompts)} rows, {tokens} tokens, limits mean {tokens / len(limits):.0f} max {max(limits)}; "
+          f"KV budget {budget / 2**20:.1f} MiB holds {slots} rows", flush=True)
+    rate = {}
+
+    def report(k, t, peak):
+        rate[k] = tokens / t
+        mem = f" peak {peak / 2**30:5.1f} GiB" if peak else ""
+        print(f"  {k:15s} {rate[k]:10.0f} tok/s {t:7.2f} s {args.clock}{mem}", flush=True)
+    timed(fns, warm, args.repeats, args.device, args.clock, report)
+    if "continuous" in rate:
+        vs = ", ".join(f"{rate['continuous'] / r:.2f}x {k}" for k, r in rate.items() if k != "continuous")
+        print(f"  {name}: continuous = {vs}", flush=True)
+
+
+def check_parity(device: str) -> None:
+    """Greedy rollout.generate with per-row limits, in a budget of 3 rows, against
+    model.generate on each prompt alone (fp32, a tiny random Qwen3): exits 1 on a mismatch."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, initializer_range=0.3, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(cfg).to(device).eval()
+    prompts = make_prompts(12, 9, 2, 60)
+    limits = [1 + (7 * i) % 13 for i in range(len(prompts))]
+    stop = [int(rollout.generate(model, prompts[:1], 3, [63], 0, temperature=0).tokens[0, 2]), 63]
+    bpt = rollout.kv_bytes_per_token(cfg, model.dtype)
+    out = rollout.generate(model, prompts, limits, stop, 0, temperature=0, kv_budget=3 * (9 + 13) * bpt)
+    bad = 0
+    for i, (p, t) in enumerate(zip(prompts, limits)):
+        ref = model.generate(input_ids=torch.tensor([p], device=device), attention_mask=torch.ones(1, len(p), device=device,
+                             dtype=torch.long), do_sample=False, max_new_tokens=t, pad_token_id=0, eos_token_id=stop)[0, len(p):]
+        ours = out.tokens[i][out.mask[i]]
+        bad += not torch.equal(ours, ref[: len(ours)]) or bool((ref[len(ours):] != 0).any())
+    print(f"parity on {device}: {len(prompts) - bad}/{len(prompts)} prompts equal model.generate alone "
+          f"({int(out.finished.sum())} stopped)", flush=True)
+    if bad:
+        sys.exit(1)
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--config", default="small", choices=sorted(CONFIGS), help="model shape (random weights)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device")
+    ap.add_argument("--workload", default="both", choices=["equal", "realistic", "both"], help="which workload")
+    ap.add_argument("--slots", type=int, default=32, help="rows the KV budget holds (equal: the rows)")
+    ap.add_argument("--prompts", type=int, default=256, help="realistic: rows in all")
+    ap.add_argument("--prompt-len", type=int, default=32, help="longest prompt; others are up to 7 shorter")
+    ap.add_argument("--new", type=int, default=128, help="realistic: the cap of the row limits")
+    ap.add_argument("--equal-new", type=int, default=None, help="equal: new tokens per row (None: --new)")
+    ap.add_argument("--median", type=float, default=0.15, help="realistic: median length / --new")
+    ap.add_argument("--sigma", type=float, default=1.0, help="realistic: lognormal sigma of the lengths")
+    ap.add_argument("--group", type=int, default=1, help="rows per distinct prompt (prefix sharing)")
+    ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each sampler, best kept")
+    ap.add_argument("--clock", choices=["cpu", "wall"], default=None,
+                    help="time measured: process CPU time or wall time (default: cpu on a CPU device, else wall)")
+    ap.add_argument("--check", action="store_true",
+                    help="only check greedy parity with model.generate on --device (tiny fp32 model), then exit")
+    ap.add_argument("--samplers", default="lockstep,continuous,model.generate",
+                    help="comma-separated subset of lockstep, continuous, model.generate, in the order run")
+    args = ap.parse_args()
+    args.clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
+    if args.check:
+        return check_parity(args.device)
 
     torch.set_grad_enabled(False)
-    hf, us = timed(theirs), timed(ours)
-    print(f"config={args.config} device={args.device} batch={args.batch} group={args.group} "
-          f"prompt<={args.prompt_len} new={args.new}")
-    print(f"model.generate    {hf:10.0f} tok/s")
-    print(f"rollout.generate  {us:10.0f} tok/s")
-    print(f"ratio (ours / hf) {us / hf:10.2f}x")
+    model = build_model(args.config, args.device)
+    V = model.config.vocab_size
+    print(f"config={args.config} device={args.device} dtype={model.dtype} prompt<={args.prompt_len} "
+          f"group={args.group} temperature={args.temperature}", flush=True)
+    if args.workload in ("equal", "both"):
+        prompts = make_prompts(args.slots, args.prompt_len, args.group, V)
+        run(model, args, "equal", prompts, [args.equal_new or args.new] * len(prompts), args.slots)
+    if args.workload in ("realistic", "both"):
+        prompts = make_prompts(args.prompts, args.prompt_len, args.group, V, seed=1)
+        limits = lognormal_limits(args.prompts, args.new, args.median, args.sigma)
+        run(model, args, "realistic", prompts, limits, args.slots)
 
 
 if __name__ == "__main__":

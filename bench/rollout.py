@@ -11,7 +11,8 @@ Single's. Also printed: whole episodes (Voting adds its aggregator stage, whose 
 the three solutions) against Single's.
 
 The random model almost never emits a stop id, so every row decodes --new tokens: the worst
-case for the ratio (a trained model stops rows early, and finished rows cost little). Each
+case for the ratio (a trained model stops rows early, and finished rows cost little).
+`--kv-mib` gives each generate call a KV budget, so a stage runs with continuous batching. Each
 measurement is repeated --repeats times after a warm-up, best kept (shared, noisy machines).
 """
 import argparse
@@ -47,6 +48,8 @@ def main():
     ap.add_argument("--group", type=int, default=8, help="rollouts per problem (G)")
     ap.add_argument("--new", type=int, default=32, help="new tokens per call")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each, best kept")
+    ap.add_argument("--kv-mib", type=float, default=None,
+                    help="KV budget of each generate call in MiB (default: every row of a stage at once)")
     args = ap.parse_args()
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -63,7 +66,8 @@ def main():
 
     def llm():
         return rollout.make_llm(policy, temperature=0.7, max_new_tokens=args.new,
-                                generator=torch.Generator(args.device).manual_seed(0))
+                                generator=torch.Generator(args.device).manual_seed(0),
+                                kv_budget=None if args.kv_mib is None else int(args.kv_mib * 2**20))
 
     def single_stage():
         llm()("generator", ["generator"] * (N * G), [wf.generator_messages(p, "math") for p in problems for _ in range(G)])
@@ -77,7 +81,9 @@ def main():
 
     ts, tv = best_time(single_stage, args.repeats), best_time(voting_stage, args.repeats)
     es, ev = best_time(episodes("single"), args.repeats), best_time(episodes("voting"), args.repeats)
-    print(f"model {args.config} on {args.device}, N={N} problems x G={G}, {args.new} new tokens per call")
+    budget = "every row at once" if args.kv_mib is None else f"{args.kv_mib:g} MiB"
+    print(f"model {args.config} on {args.device}, N={N} problems x G={G}, {args.new} new tokens per call, "
+          f"KV budget {budget}")
     print(f"generation stage: single {N * G:4d} rows {ts:6.2f} s | voting {3 * N * G:4d} rows {tv:6.2f} s "
           f"| voting / single = {tv / ts:.2f}x (goal < 2x)")
     print(f"whole episodes:   single {es:6.2f} s | voting (3 voters + aggregator) {ev:6.2f} s | ratio {ev / es:.2f}x")

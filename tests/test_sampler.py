@@ -1,4 +1,5 @@
 """rollout.generate against model.generate, a teacher-forced recompute, and itself."""
+import pytest
 import torch
 
 import rollout
@@ -105,3 +106,178 @@ def test_top_p_restricts_to_the_nucleus():
     freq = torch.bincount(ids, minlength=4).float() / len(ids)
     assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
     assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1))
+
+
+# ----------------------------------------------------------------------------- KV budget
+
+# ten prompts, two of them twice, with limits of their own: more rows than the budgets below hold
+MANY = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [20], [21, 22, 23, 24, 25],
+        [12, 13], [26, 27, 28], [29, 30, 31, 32, 33, 34, 35, 36], [5, 6, 7, 8, 9, 10, 11], [37, 38]]
+LIMITS = [9, 3, 14, 6, 1, 11, 7, 4, 12, 8]
+
+
+def budget_for(model, rows, prompts=MANY, limits=LIMITS):
+    """Bytes that hold `rows` rows of the longest prompt + limit (and not one more)."""
+    need = max(len(p) + t for p, t in zip(prompts, limits))
+    return rows * need * rollout.kv_bytes_per_token(model.config, model.dtype) + 1
+
+
+def hf_alone(m, prompt, limit, stop=STOP):
+    """model.generate on one prompt, cut at its first stop id."""
+    out = m.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                     do_sample=False, max_new_tokens=limit, pad_token_id=PAD, eos_token_id=stop)[0, len(prompt):]
+    hit = torch.isin(out, torch.tensor(stop)).nonzero()
+    return out[: int(hit[0]) + 1] if len(hit) else out
+
+
+def tiny_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.3, bos_token_id=None, eos_token_id=STOP, pad_token_id=PAD)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_greedy_in_a_small_budget_matches_hf_generate_alone():
+    for m in [tiny_qwen3(seed=0), tiny_qwen3(seed=5), tiny_llama(seed=0)]:
+        free = rollout.generate(m, MANY, 14, stop_ids=[63], pad_id=PAD, temperature=0)
+        stop = [int(free.tokens[0, 2]), 63]  # row 0 stops at step 2, others when they emit it
+        stats = {}
+        g = rollout.generate(m, MANY, LIMITS, stop, PAD, temperature=0, kv_budget=budget_for(m, 3), stats=stats)
+        assert stats["slots"] == 3 and g.finished.any() and not g.finished.all()
+        for i, (p, limit) in enumerate(zip(MANY, LIMITS)):
+            ref = hf_alone(m, p, limit, stop)
+            assert torch.equal(g.tokens[i][g.mask[i]], ref), i
+            assert bool(g.finished[i]) == (int(ref[-1]) in stop)
+
+
+def test_logprobs_in_a_small_budget_equal_teacher_forced_recompute():
+    m = tiny_qwen3(seed=2)
+    gen = torch.Generator().manual_seed(0)
+    g = rollout.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, generator=gen, kv_budget=budget_for(m, 4))
+    for i, p in enumerate(MANY):
+        comp = g.tokens[i][g.mask[i]].tolist()
+        assert len(comp) >= 1
+        ref = teacher_forced_logprobs(m, p, comp, 0.7)
+        assert torch.allclose(g.logprobs[i][g.mask[i]], ref, atol=1e-5)
+        assert (g.logprobs[i][~g.mask[i]] == 0).all()
+
+
+def test_identical_prompts_prefilled_once_across_refills():
+    m = tiny_qwen3(seed=3)
+    prompts = [PROMPTS[k % 3] for k in [0, 1, 2, 0, 0, 2, 1, 1, 0, 2, 1, 0, 2, 2, 1]]  # 3 distinct x 5
+    limits = [2 + (5 * k) % 9 for k in range(len(prompts))]                           # rows end apart
+    budget = budget_for(m, 4, prompts, limits)
+    runs = {}
+    for share in (True, False):
+        stats = {}
+        gen = torch.Generator().manual_seed(1)
+        runs[share] = rollout.generate(m, prompts, limits, STOP, PAD, temperature=1.0, generator=gen,
+                                       share_prefix=share, kv_budget=budget, stats=stats)
+        assert stats["slots"] == 4
+        assert stats["prefill_rows"] == (3 if share else 15)
+    assert torch.equal(runs[True].tokens, runs[False].tokens)
+    assert torch.allclose(runs[True].logprobs, runs[False].logprobs, atol=1e-5)
+    assert len(set(runs[True].tokens[:, 0].tolist())) > 1  # each copy samples its own first token
+
+
+def test_per_row_limits_and_finished_flags_in_a_small_budget():
+    m = tiny_qwen3(seed=0)
+    free = rollout.generate(m, MANY, 14, stop_ids=[63], pad_id=0, temperature=0)
+    stop = int(free.tokens[0, 2])  # a stop id that row 0 emits at step 2 (some rows never do)
+    g = rollout.generate(m, MANY, LIMITS, [stop, 63], 0, temperature=0, kv_budget=budget_for(m, 3))
+    kinds = set()
+    for i, limit in enumerate(LIMITS):
+        toks, mask = g.tokens[i], g.mask[i]
+        n = int(mask.sum())
+        assert mask[:n].all() and not mask[n:].any() and (toks[n:] == 0).all()
+        seen = (free.tokens[i, :limit] == stop).nonzero()
+        if len(seen):  # stopped at its first stop id, stop token kept
+            assert g.finished[i] and n == int(seen[0]) + 1 and int(toks[n - 1]) == stop
+        else:          # cut at its own limit
+            assert not g.finished[i] and n == limit
+        assert torch.equal(toks[:n], free.tokens[i, :n])
+        kinds.add((bool(g.finished[i]), limit < 14))
+    assert {(True, True), (False, True)} <= kinds
+
+
+def kv_bytes_held(cache):
+    """Bytes of every tensor the cache's layers hold, by storage (views counted once); written
+    here again on purpose, so the test does not trust rollout.cache_bytes, which it checks."""
+    storages = {}
+    for layer in cache.layers:
+        for t in vars(layer).values():
+            if torch.is_tensor(t):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def test_kv_memory_held_never_exceeds_the_budget():
+    m = tiny_qwen3(seed=1)
+    held = []
+
+    def measure(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        held.append(kv_bytes_held(cache))
+    hook = m.register_forward_pre_hook(measure, with_kwargs=True)
+    try:
+        for rows in (1, 3, 5):
+            budget, stats = budget_for(m, rows), {}
+            held.clear()
+            rollout.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, kv_budget=budget, stats=stats,
+                             generator=torch.Generator().manual_seed(0))
+            assert held and max(held) <= budget
+            assert max(held) > budget * (rows - 1) / rows  # the budget is used, not wasted
+            assert stats["kv_bytes"] == max(held) and stats["slots"] == rows
+    finally:
+        hook.remove()
+
+
+def test_a_budget_below_one_row_gives_one_clear_error():
+    m = tiny_qwen3()
+    bpt = rollout.kv_bytes_per_token(m.config, m.dtype)
+    need = max(len(p) + t for p, t in zip(MANY, LIMITS))
+    with pytest.raises(ValueError) as e:
+        rollout.generate(m, MANY, LIMITS, STOP, PAD, kv_budget=need * bpt - 1)
+    assert f"kv_budget {need * bpt - 1:,} B" in str(e.value) and f"{need * bpt:,} B" in str(e.value)
+    assert f"{need} tokens" in str(e.value)
+
+
+def test_kv_budget_helpers_at_the_real_shapes():
+    from transformers import Qwen3Config
+    shapes = {"0.6b": (28, 1024, 16, 114_688), "4b": (36, 2560, 32, 147_456)}  # bf16, from NOTES
+    for layers, hidden, heads, want in shapes.values():
+        cfg = Qwen3Config(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                          num_key_value_heads=8, head_dim=128)
+        assert rollout.kv_bytes_per_token(cfg, torch.bfloat16) == want
+        assert rollout.kv_bytes_per_token(cfg, torch.float32) == 2 * want
+    assert rollout.rows_that_fit(10 * 2**30, 114_688, 5320) == 17
+    assert rollout.default_kv_budget("cpu") == rollout.CPU_KV_BUDGET
+    assert rollout.kv_budget_line(10 * 2**30, 114_688, 200, 5120) == "KV budget 10.00 GiB holds 17 rows of 200+5120 tokens"
+
+
+def test_top_p_exact_tie_keeps_only_the_smallest_prefix():
+    # regression (issue 15 item 13): mass 0.5 is reached by token 0 alone, so token 1 must not
+    # be drawn; with `cumsum - p > top_p` it was, about a third of the time
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]] * 3000))
+    ids, _ = rollout.sample_next(logits, 1.0, 0.5, torch.Generator().manual_seed(0))
+    assert set(ids.tolist()) == {0}
+    ids, _ = rollout.sample_next(logits, 1.0, 0.75, torch.Generator().manual_seed(0))
+    assert set(ids.tolist()) == {0, 1}
+
+
+def test_a_short_prompt_with_a_long_limit_is_never_padded_past_its_room():
+    # the long prompt wants few tokens, the short one many: slots are sized for the short one's
+    # need (2 + 20), so it must neither share a prefill chunk padded to the long prompt's 10
+    # tokens, nor (admitted later) copy a slot whose prompt sits behind 8 columns of padding
+    m = tiny_qwen3(seed=6)
+    long, short = list(range(20, 30)), [5, 6]
+    for prompts, limits, prefills in [([long, short], [2, 20], 2),  # one refill, two chunks
+                                      ([long, short, short, short], [2, 2, 20, 20], 3)]:  # no copy
+        stats = {}
+        g = rollout.generate(m, prompts, limits, [63], PAD, temperature=0,
+                             kv_budget=budget_for(m, 2, prompts, limits), stats=stats)
+        assert stats["slots"] == 2 and stats["prefill_rows"] == prefills
+        for i, (p, limit) in enumerate(zip(prompts, limits)):
+            assert torch.equal(g.tokens[i][g.mask[i]], hf_alone(m, p, limit, [63])), i
