@@ -601,10 +601,16 @@ def step_record(run, step, episodes, stats, times):
     for r, q in stats["roles"].items():
         q["fallback_rate"] = fallbacks[roles.index(r)] / max(1, calls[roles.index(r)])
     rollout_s = run.comm.sum(times[1] - times[0]) / run.comm.world if run.comm else times[1] - times[0]
-    return {"step": step, "reward": reward / n, "lr": run.schedulers[run.policy.names[0]].get_last_lr()[0], **stats,
-            "time": {"rollout": times[1] - times[0], "score": times[2] - times[1],
-                     "update": times[3] - times[2], "step": time.time() - times[0]},
-            "tokens_per_s": tokens / max(rollout_s, 1e-9)}
+    m = {"step": step, "reward": reward / n, "lr": run.schedulers[run.policy.names[0]].get_last_lr()[0], **stats,
+         "time": {"rollout": times[1] - times[0], "score": times[2] - times[1],
+                  "update": times[3] - times[2], "step": time.time() - times[0]},
+         "tokens_per_s": tokens / max(rollout_s, 1e-9)}
+    device = run.policy.model.device
+    if device.type == "cuda":  # this rank's peak this step (reset at the start of the next)
+        import torch
+        m["cuda_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+    return m
 
 
 def step_line(step, steps, m, last_acc):
