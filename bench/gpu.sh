@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks to run when a GPU is lent (an H200 with torch 2.11 and transformers 5.17; this
-# script installs nothing and reads nothing from the network). About 9 minutes in all:
-# the sampler section (~5 minutes) and one training step (~3-4 minutes).
+# script installs nothing and reads nothing from the network). About 9 minutes in all (an estimate:
+# it has never run on a GPU): the sampler section (~5 minutes) and one training step (~3-4).
 #
 #   bash bench/gpu.sh 2>&1 | tee gpu.log
 #
