@@ -2,7 +2,7 @@
 dynamics, cells over seeds, and the Markdown report.
 
     python eval.py --runs runs/matrix/* [--report runs/matrix/report.md] [--json] [--no-plots]
-    analysis.analyse(folders, report="runs/matrix/report.md")       # from code, as sweep.py does
+    eval.analyse(folders, report="runs/matrix/report.md")   # from code (sweep.py): this, plots, report
 
 Reading (every file and field of a run folder: docs/RUNFOLDER.md): config.json, metrics.jsonl and
 eval.jsonl, record by record. A line that does not parse (a run killed mid-write leaves a torn
@@ -46,10 +46,10 @@ without a `done` file is unfinished.
 The report (`--report PATH`): the map, the cell table (with min..max), Shared against Isolated,
 before the cliff, capture under Shared, the mechanism table and per-cell figures, and the run
 table with links to each run's plots. The figures are plots.py's: each run's into its folder,
-the cross-run ones into STEM-figures/ next to a report at STEM.md. plots.py reads runs through
-this module, so `analyse` imports it only inside its plotting step (no import cycle), and goes
-on without figures, saying so in one line, when matplotlib is missing. `--json` prints the
-summaries, cells and figures.
+the cross-run ones into STEM-figures/ next to a report at STEM.md. This module draws nothing
+and imports neither plots.py nor eval.py (plots.py reads runs through it); eval.analyse runs
+the three steps, summaries, figures (skipped with one line when matplotlib is missing) and
+`write_report`. `--json` prints the summaries, cells and figures.
 """
 import json
 import math
@@ -731,42 +731,3 @@ def write_report(summaries: list, path: str, cliff_drop: float = CLIFF_DROP, cli
 def figures_folder(report: str) -> str:
     """REPORT_DIR/STEM-figures for a report at REPORT_DIR/STEM.md."""
     return os.path.splitext(os.path.abspath(report))[0] + "-figures"
-
-
-# ----------------------------------------------------------------------------- analyse: summaries, plots, report
-
-def _write_plots(summaries: list, runs: dict, report: str | None, quiet: bool) -> list:
-    """Each run's plots into its folder; with a report, the cross-run figures next to it."""
-    import plots  # here, not at the top: plots.py imports this module to read runs
-    try:
-        for s in summaries:
-            s["plots"] = plots.plot_run(s["run"], run=runs[s["run"]], summary=s)
-        return plots.plot_runs(summaries, runs, figures_folder(report)) if report and summaries else []
-    except ImportError as e:
-        if not quiet:
-            print(str(e), file=sys.stderr)
-        return []
-
-
-def analysis(folders: list, cliff_drop: float = CLIFF_DROP, cliff_window: int = CLIFF_WINDOW, plots: bool = True,
-             report: str | None = None, quiet: bool = False, pre_cliff_steps: int | None = None) -> tuple:
-    """(summaries, cross-run figures written) of every run folder among `folders`."""
-    folders, notes = run_folders(folders)
-    if not quiet:
-        for note in notes:  # e.g. a shell glob that also caught report.md
-            print(f"skipped: {note}", file=sys.stderr)
-    runs = {f: load_run(f, quiet) for f in folders}
-    summaries = [analyse_run(f, cliff_drop, cliff_window, run=runs[f], pre_cliff_steps=pre_cliff_steps)
-                 for f in folders]
-    figures = _write_plots(summaries, runs, report, quiet) if plots else []
-    if report:
-        write_report(summaries, report, cliff_drop, cliff_window, figures)
-    return summaries, figures
-
-
-def analyse(folders: list, cliff_drop: float = CLIFF_DROP, cliff_window: int = CLIFF_WINDOW, plots: bool = True,
-            report: str | None = None, quiet: bool = False, pre_cliff_steps: int | None = None) -> list:
-    """Summaries of every run folder among `folders`; plots written into each folder (when
-    matplotlib is there), and a Markdown report with its figures at `report`. Used by sweep.py."""
-    return analysis(folders, cliff_drop, cliff_window, plots, report, quiet, pre_cliff_steps)[0]
-

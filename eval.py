@@ -446,14 +446,54 @@ def _evaluate_cli(args):
         _print_evaluation(res)
 
 
+# ----------------------------------------------------------------------------- analyse run folders: summaries, plots, report
+
+def _write_plots(summaries: list, runs: dict, report: str | None, quiet: bool) -> list:
+    """Each run's plots into its folder; with a report, the cross-run figures next to it."""
+    import plots  # here: matplotlib is optional, and plots.py imports it only when drawing
+    try:
+        for s in summaries:
+            s["plots"] = plots.plot_run(s["run"], run=runs[s["run"]], summary=s)
+        return plots.plot_runs(summaries, runs, analysis.figures_folder(report)) if report and summaries else []
+    except ImportError as e:
+        if not quiet:
+            print(str(e), file=sys.stderr)
+        return []
+
+
+def analyse_runs(folders: list, cliff_drop: float = analysis.CLIFF_DROP, cliff_window: int = analysis.CLIFF_WINDOW,
+                 plots: bool = True, report: str | None = None, quiet: bool = False,
+                 pre_cliff_steps: int | None = None) -> tuple:
+    """(summaries, cross-run figures written) of every run folder among `folders`."""
+    folders, notes = analysis.run_folders(folders)
+    if not quiet:
+        for note in notes:  # e.g. a shell glob that also caught report.md
+            print(f"skipped: {note}", file=sys.stderr)
+    runs = {f: analysis.load_run(f, quiet) for f in folders}
+    summaries = [analysis.analyse_run(f, cliff_drop, cliff_window, run=runs[f], pre_cliff_steps=pre_cliff_steps)
+                 for f in folders]
+    figures = _write_plots(summaries, runs, report, quiet) if plots else []
+    if report:
+        analysis.write_report(summaries, report, cliff_drop, cliff_window, figures)
+    return summaries, figures
+
+
+def analyse(folders: list, cliff_drop: float = analysis.CLIFF_DROP, cliff_window: int = analysis.CLIFF_WINDOW,
+            plots: bool = True, report: str | None = None, quiet: bool = False,
+            pre_cliff_steps: int | None = None) -> list:
+    """Summaries of every run folder among `folders`; plots written into each folder (when
+    matplotlib is there), and a Markdown report with its figures at `report`. Used by sweep.py."""
+    return analyse_runs(folders, cliff_drop, cliff_window, plots, report, quiet, pre_cliff_steps)[0]
+
+
 # ----------------------------------------------------------------------------- CLI: analyse
 
 def _analyse_cli(args):
     folders, notes = analysis.run_folders(args.runs)
     if not folders:
         raise SystemExit(f"error: no run folder among --runs: {'; '.join(notes)}")
-    summaries, figures = analysis.analysis(args.runs, args.cliff_drop, args.cliff_window, plots=not args.no_plots,
-                                           report=args.report, pre_cliff_steps=args.pre_cliff_steps)
+    summaries, figures = analyse_runs(args.runs, args.cliff_drop, args.cliff_window, plots=not args.no_plots,
+                                      report=args.report, pre_cliff_steps=args.pre_cliff_steps)
     if args.json:
         print(json.dumps({"cliff_drop": args.cliff_drop, "cliff_window": args.cliff_window,
                           "cliff_rule": analysis.CLIFF_RULE, "runs": summaries, "cells": analysis.cells(summaries),

@@ -55,7 +55,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-import analysis   # the run-folder analysis (eval.py --runs): cliff defaults, report, tables
+import analysis   # the run-folder analysis (eval.py --runs): cliff defaults, tables
+import eval as evaluation  # analyse: summaries, plots and the report
 import workflows  # torch-free: the workflow and task names
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -345,7 +346,7 @@ def analyse(args, matrix):
     """OUT/report.md over every cell folder that exists; prints the run table."""
     report = os.path.join(args.out, "report.md")
     folders = [os.path.join(args.out, n) for n, _ in matrix if os.path.isdir(os.path.join(args.out, n))]
-    summaries = analysis.analyse(folders, args.cliff_drop, args.cliff_window, report=report)
+    summaries = evaluation.analyse(folders, args.cliff_drop, args.cliff_window, report=report)
     print(analysis.text_table(analysis.RUN_HEADERS, analysis.run_rows(summaries)))
     print(f"report: {report}")
 

@@ -375,7 +375,7 @@ def test_report_lists_every_run(tmp_path):
             write_run(tmp_path, "single-code-shared-s0", [0.1, 0.2], done=False,
                       config={"workflow": "single", "task": "code", "data": "code", "sharing": "shared"})]
     report = str(tmp_path / "out" / "report.md")
-    summaries = analysis.analyse(runs, report=report, quiet=True)
+    summaries = ev.analyse(runs, report=report, quiet=True)
     text = open(report).read()
     for s in summaries:
         assert f"| {s['name']} |" in text

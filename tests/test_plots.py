@@ -9,6 +9,7 @@ import os
 import pytest
 
 import analysis
+import eval as ev
 import plots
 from test_analysis import _run_with_metrics, synthetic_run, synthetic_sweep, write_run
 
@@ -70,7 +71,7 @@ def test_report_and_figures_from_a_synthetic_sweep(tmp_path):
     folders = synthetic_sweep(root, tasks=("math",), wfs=("voting",), lrs=(1e-3, 2e-3), seeds=(0, 1))
     folders.append(synthetic_run(root, "eval_opt", "code", "isolated", steps=20))
     report = str(root / "report.md")
-    summaries, figures = analysis.analysis(folders, report=report, quiet=True)
+    summaries, figures = ev.analyse_runs(folders, report=report, quiet=True)
     names = sorted(os.path.basename(p) for p in figures)
     assert names == sorted(["map.png", "acc-voting-math-toy-lr1e-3.png", "acc-voting-math-toy-lr2e-3.png",
                             "acc-eval_opt-code-toy-lr1e-3.png", "mech-eval_opt-code-toy-isolated-lr1e-3.png"]

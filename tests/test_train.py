@@ -405,6 +405,6 @@ def test_a_workflow_registered_in_workflows_py_alone_trains(model_dir, tmp_path,
     m = read_jsonl(out / "metrics.jsonl")[0]
     assert set(m["roles"]) == {"generator", "judge"} and set(m["adapters"]) == {"generator", "judge"}
     assert set(m["slots"]) == {"generator0", "generator1", "judge"}
-    import analysis
-    s = analysis.analyse([str(out)], plots=False)[0]
+    import eval as ev
+    s = ev.analyse([str(out)], plots=False)[0]
     assert s["workflow"] == "best_of_2" and s["base_acc"] is not None
