@@ -523,6 +523,7 @@ def _output(job: _Job) -> Generation:
     mask = torch.arange(T, device=dev) < length[:, None]      # (B, T), the stop token included
     return Generation(job.tokens[:-1, :T], job.logps[:-1, :T], mask, torch.from_numpy(job.finished).to(dev))
 
+
 # ----------------------------------------------------------------------------- workflow llm
 
 def render(tokenizer, messages, max_prompt_tokens: int | None = None) -> tuple[list, bool]:
