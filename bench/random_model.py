@@ -1,7 +1,7 @@
 """Save a random-weight Qwen3 at a published shape, with the toy tokenizer, as a model folder.
 
-    python bench/random_model.py --config 0.6b --out /tmp/qwen3-0.6b-random
-    python train.py --scale /tmp/qwen3-0.6b-random --data toy_math ...
+    python bench/random_model.py --config 0.6b --out qwen3-0.6b-random
+    python train.py --scale qwen3-0.6b-random --data toy_math ...
 
 Speed and memory do not depend on the weights, so this measures the real-scale training step
 without downloading anything (no machine here can). The toy tokenizer (a few hundred ids)

@@ -265,24 +265,12 @@ def test_sweep_dry_run(tmp_path):
 def trained_run(tmp_path_factory):
     """A 2-step Isolated Voting run of a tiny random Qwen3 (toy tokenizer) on .jsonl files:
     4 training and 4 test problems, evaluated on 3 of them (--eval-problems 3), 6 new tokens."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from conftest import save_tiny_toy_model
 
     import toy
     import train
     root = tmp_path_factory.mktemp("ckpt")
-    model_dir = str(root / "model")
-    tok = toy.build_tokenizer()
-    torch.manual_seed(0)
-    stops = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=stops, pad_token_id=stops[1])
-    model = Qwen3ForCausalLM(cfg)
-    model.generation_config.eos_token_id = stops
-    model.generation_config.pad_token_id = stops[1]
-    model.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir = save_tiny_toy_model(root / "model")
     files = {}
     for split in ("train", "test"):
         files[split] = str(root / f"{split}.jsonl")

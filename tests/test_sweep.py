@@ -14,11 +14,11 @@ import sys
 import time
 
 import pytest
-import torch
 
 import sweep
 import toy
 import workflows
+from conftest import save_tiny_toy_model
 
 SWEEP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sweep.py")
 TINY = ["--steps", "2", "--problems-per-step", "2", "--group-size", "2", "--max-new-tokens", "6",
@@ -33,20 +33,7 @@ CELL = "voting-math-shared-tiny-s0"  # at --scale TMP/tiny
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A random 2-layer Qwen3 with the toy tokenizer, saved like a hub checkpoint, as folder `tiny`."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    folder = str(tmp_path_factory.mktemp("model") / "tiny")
-    tok = toy.build_tokenizer()
-    torch.manual_seed(0)
-    stops = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=stops, pad_token_id=stops[1])
-    model = Qwen3ForCausalLM(cfg)
-    model.generation_config.eos_token_id = stops
-    model.generation_config.pad_token_id = stops[1]
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny_toy_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 @pytest.fixture(scope="module")

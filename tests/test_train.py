@@ -84,20 +84,27 @@ def comparable(records):
     return records
 
 
+def interrupt_in_update(monkeypatch, at):
+    """Send this process a SIGINT (a Ctrl-C) during the `at`-th call of grpo.update; return the
+    list of calls made."""
+    real_update, calls = grpo.update, []
+
+    def update_then_interrupt(*a, **k):
+        calls.append(1)
+        if len(calls) == at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_update(*a, **k)
+    monkeypatch.setattr(grpo, "update", update_then_interrupt)
+    return calls
+
+
 def test_ctrl_c_then_resume_equals_an_uninterrupted_run(model_dir, tmp_path, monkeypatch):
     flags = ["--workflow", "voting", "--sharing", "isolated", "--save-every", "3", "--eval-every", "2"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     train.main(argv(model_dir, full, *flags, steps=4))
 
     # Ctrl-C arrives during step 2: that step finishes, is checkpointed, and the run exits 130
-    real_update, calls = grpo.update, []
-
-    def update_then_interrupt(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real_update(*a, **k)
-    monkeypatch.setattr(grpo, "update", update_then_interrupt)
+    real_update, calls = grpo.update, interrupt_in_update(monkeypatch, at=2)
     with pytest.raises(SystemExit) as stopped:
         train.main(argv(model_dir, cut, *flags, steps=4))
     assert stopped.value.code == 130
@@ -359,14 +366,8 @@ def test_coherence_damp_resumes_exactly(model_dir, tmp_path, monkeypatch):
              "--coherence-damp", "generator=0.5", "--coherence-damp", "aggregator=0.3", "--coherence-window", "2"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     train.main(argv(model_dir, full, *flags, steps=4))
-    real_update, calls = grpo.update, []
-
-    def update_then_interrupt(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real_update(*a, **k)
-    monkeypatch.setattr(grpo, "update", update_then_interrupt)
+    real_update = grpo.update
+    interrupt_in_update(monkeypatch, at=2)
     with pytest.raises(SystemExit):
         train.main(argv(model_dir, cut, *flags, steps=4))
     monkeypatch.setattr(grpo, "update", real_update)
