@@ -23,13 +23,26 @@ Each choice and the train.py flag that sets it:
 - logp_old is recomputed by this training forward, once, before the first mini-batch (the
   sampler's logprobs differ numerically even at equal weights; their gap is logged, not used).
 - temperature: logits / `--temperature` in the trainer exactly as in the sampler.
-- one epoch; each optimizer's samples are shuffled and cut into mini-batches of `--mini-batch`
-  sequences (512), one AdamW step per mini-batch (so a role with more calls takes more steps
-  under isolated), gradients accumulated over micro-batches of at most `--token-budget`
-  padded tokens, clipped to `--max-grad-norm` per optimizer step; lr `--lr` with
-  `--warmup-steps` of linear warm-up then cosine to 0 over `--steps`.
+- one epoch; each optimizer's n samples are shuffled and cut into ceil(n / `--mini-batch`)
+  mini-batches of near-equal size (512 each at the paper's settings), one AdamW step per
+  mini-batch (so a role with more calls takes more steps under isolated), gradients
+  accumulated over micro-batches of at most `--token-budget` padded tokens, clipped to
+  `--max-grad-norm` per optimizer step; lr `--lr` with `--warmup-steps` of linear warm-up then
+  cosine to 0 over `--steps`.
+- rows that cannot move the weights (advantage exactly 0 and no KL: the loss is -0 * ratio)
+  skip the old-logprob recompute and the training forward and backward; they still count in
+  the denominators, so the gradient is the same to float rounding. The token statistics
+  (clip fraction, ratio, entropy, logprob gap, KL) then cover the rows that ran; `skipped`
+  counts the others per role.
+- `--coherence-damp ROLE=LAMBDA` (CoherenceDamp): the paper's intervention on a role whose
+  successive gradients keep pointing one way; off by default.
+- data parallel (train.py under torchrun, `comm`): n is over every rank, each optimizer step
+  sums every (role, slot) part of the gradient over the ranks, and the loss divides by the
+  global mini-batch, so N ranks take the same steps as one process holding every sample.
 
-Layout of the training forward (the same as rollout.generate): prompts left-padded to P,
+Layout of the training forward (the same as rollout.generate for the rows it admits
+together; a row admitted later sits at other columns of its slot but has the same positions):
+prompts left-padded to P,
 completions right after them (so every completion starts at column P) and right-padded to T;
 position_ids = cumsum(mask) - 1; the attention mask is always passed; the logprob of completion
 token t is read from the logits at position P-1+t. Only those T positions get logits
@@ -39,7 +52,9 @@ function whose backward rebuilds each chunk, so no (B, T, V) fp32 tensor is ever
 Diagnostics (no extra backward): inside a mini-batch the micro-batches run grouped by role and,
 within a role, by slot; the flattened gradient is read after each slot, and the difference is
 that slot's contribution (it carries the slot's share of the loss normalisation, so it is not
-weighted again). Summed over the step's mini-batches they give per-slot and per-role gradients.
+weighted again). Summed over the step's mini-batches they give per-slot and per-role gradients
+(`grad_norm`); the norm of a role's part of each optimizer step gives `grad_norm_opt`, the
+figure that compares roles taking different numbers of steps. Every field: docs/RUNFOLDER.md.
 
 Run the tests: `python -m pytest -q tests/test_grpo.py`.
 """
