@@ -42,9 +42,8 @@ Each choice and the train.py flag that sets it:
 
 Layout of the training forward (the same as rollout.generate for the rows it admits
 together; a row admitted later sits at other columns of its slot but has the same positions):
-prompts left-padded to P,
-completions right after them (so every completion starts at column P) and right-padded to T;
-position_ids = cumsum(mask) - 1; the attention mask is always passed; the logprob of completion
+prompts left-padded to P, completions right after them (so every completion starts at column
+P) and right-padded to T; position_ids = cumsum(mask) - 1; the attention mask is always passed; the logprob of completion
 token t is read from the logits at position P-1+t. Only those T positions get logits
 (`logits_to_keep`), and the fp32 log-softmax is taken chunk by chunk by a small autograd
 function whose backward rebuilds each chunk, so no (B, T, V) fp32 tensor is ever held.
