@@ -324,8 +324,9 @@ def plot_map(cell_list: list, path: str) -> str | None:
                                            for r in rows])
     fig.colorbar(im, ax=list(axes), label="final - base accuracy (points)", shrink=0.9)
     several = max(c["n"] for c in cell_list) > 1
+    # two lines: one panel (a single task) is too narrow for the whole title on one
     fig.suptitle("Accuracy map: gains in points" + (" (mean ±sd over seeds)" if several else "")
-                 + "; ▼ k/n = runs with a terminal cliff", fontsize=12)
+                 + "\n▼ k/n = runs with a terminal cliff", fontsize=12)
     fig.savefig(path, dpi=110)
     return path
 
