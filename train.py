@@ -185,7 +185,6 @@ def resume_args(ap, args):
         print(f"warning: on --resume the saved configuration wins; ignored: {', '.join(ignored)}", file=sys.stderr)
     keep = {k: v for k, v in vars(args).items() if k in RESUMABLE and (k in given or k not in saved)}
     args = argparse.Namespace(**{**saved, **keep})
-    args.steps = given.get("steps", saved["steps"])
     args.out = args.resume
     return args
 
@@ -236,7 +235,7 @@ def check_args(ap, args):
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("eval_every", "samples_every", "save_every"):
         if getattr(args, name) < 0:
-            ap.error(f"--{name.replace('_', '-')} must be >= 0 (0: never)")
+            ap.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.temperature < 0:
         ap.error("--temperature must be >= 0")
     if not 0 < args.top_p <= 1:
