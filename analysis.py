@@ -466,8 +466,8 @@ def _pct(x, sign=False):
     return f"{100 * x:+.1f}" if sign else f"{100 * x:.1f}"
 
 
-def _num(x, fmt=".3g"):
-    return "-" if x is None else format(x, fmt)
+def _num(x, fmt=".3g", none="-"):
+    return none if x is None else format(x, fmt)
 
 
 def _per_role(d: dict, fmt=".3g", short=False) -> str:
@@ -476,11 +476,11 @@ def _per_role(d: dict, fmt=".3g", short=False) -> str:
 
 
 def _drift(d: dict, fmt=".3g") -> str:
-    return ", ".join(f"{r} {_num(a, fmt)}->{_num(b, fmt)}" for r, (a, b) in sorted(d.items())) or "-"
+    return ", ".join(f"{r} {_num(a, fmt, 'n/a')}->{_num(b, fmt, 'n/a')}" for r, (a, b) in sorted(d.items())) or "-"
 
 
 def _pair(p, fmt=".3g") -> str:
-    return "-" if not p else f"{_num(p[0], fmt)}->{_num(p[1], fmt)}"
+    return "-" if not p else f"{_num(p[0], fmt, 'n/a')}->{_num(p[1], fmt, 'n/a')}"
 
 
 def _cliff_cell(s: dict) -> str:
@@ -682,7 +682,7 @@ def _pre_cliff_section(summaries: list) -> list:
         return ["## Before the cliff", "", "No run has a terminal cliff.", ""]
     return ["## Before the cliff", "", "For each run with a cliff: means over the training steps since the "
             "evaluation before the cliff step, or the last --pre-cliff-steps (just before), against every step "
-            f"before those (earlier). Coherence rises in {_rises(summaries, 'coherence')} cliff runs and some "
+            f"before those (earlier; n/a when the cliff step is the first evaluation). Coherence rises in {_rises(summaries, 'coherence')} cliff runs and some "
             f"role's gradient norm in {_rises(summaries, 'grad_norm')}.", "", md_table(PRE_CLIFF_HEADERS, rows), ""]
 
 
