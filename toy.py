@@ -85,8 +85,9 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char
     tok.decoder = decoders.Fuse()  # join tokens without spaces
     tok.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIAL])
-    # longest first, so that the added-token matcher prefers "\boxed{Correct}" over "\boxed{"
-    words = sorted(set(wf.PHRASES) | set(WORDS), key=len, reverse=True)
+    # longest first, so that the added-token matcher prefers "\boxed{Correct}" over "\boxed{";
+    # ties alphabetically, so the token ids never depend on the set's (hash-seeded) order
+    words = sorted(set(wf.PHRASES) | set(WORDS), key=lambda w: (-len(w), w))
     tok.add_tokens([AddedToken(w, normalized=False) for w in words])
     t = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                 unk_token="?")

@@ -79,6 +79,17 @@ def test_every_phrase_and_word_is_one_token(tok):
     assert tok.convert_ids_to_tokens(_ids(tok, "Step 2 looks wrong.")) == ["Step ", "2", " looks wrong."]
 
 
+def test_token_ids_do_not_depend_on_the_hash_seed():
+    """Python seeds str hashing per process, so a set's order changes from run to run; the
+    vocabulary (and so a fresh warm start) must not."""
+    code = ("import json, sys; sys.path.insert(0, '.'); import toy; "
+            "print(json.dumps(sorted(toy.build_tokenizer().get_vocab().items())))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    vocabs = [subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
+    assert vocabs[0] == vocabs[1] and len(vocabs[0]) > 100
+
+
 def test_special_tokens_eos_pad_and_chat_template(tok):
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     for t in toy.SPECIAL:
