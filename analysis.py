@@ -682,8 +682,9 @@ def _pre_cliff_section(summaries: list) -> list:
         return ["## Before the cliff", "", "No run has a terminal cliff.", ""]
     return ["## Before the cliff", "", "For each run with a cliff: means over the training steps since the "
             "evaluation before the cliff step, or the last --pre-cliff-steps (just before), against every step "
-            f"before those (earlier; n/a when the cliff step is the first evaluation). Coherence rises in {_rises(summaries, 'coherence')} cliff runs and some "
-            f"role's gradient norm in {_rises(summaries, 'grad_norm')}.", "", md_table(PRE_CLIFF_HEADERS, rows), ""]
+            "before those (earlier; n/a when the cliff step is the first evaluation). Coherence rises in "
+            f"{_rises(summaries, 'coherence')} cliff runs and some role's gradient norm in "
+            f"{_rises(summaries, 'grad_norm')}.", "", md_table(PRE_CLIFF_HEADERS, rows), ""]
 
 
 def _capture_section(summaries: list) -> list:
