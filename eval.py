@@ -297,6 +297,34 @@ def evaluate(llm, workflow: str, problems: list, task: str, samples: int = 1, ba
             "quality": role_quality(episodes, task, scored=known)}
 
 
+def eval_record(llm, workflow: str, problems: list, task: str, step: int, batch_size: int = 16,
+                progress: bool = True) -> dict:
+    """The eval.jsonl record of a training run's evaluation at `step`: pass@1 on the held-out
+    problems, with per-role parse-failure rate, mean length, code-block rate and calls."""
+    res = evaluate(llm, workflow, problems, task, samples=1, batch_size=batch_size, progress=progress)
+    roles = res["quality"]["roles"]
+    return {"step": step, "acc": res["pass@k"][1], "n": res["problems"],
+            "parse_fail": {r: q.get("fallbacks_per_call", 0.0) for r, q in roles.items()},
+            "len": {r: q.get("len_tokens", q.get("len_chars")) for r, q in roles.items()},
+            "code_block_rate": {r: q.get("code_block_rate", 0.0) for r, q in roles.items()},
+            "calls": {r: q.get("calls", 0) for r, q in roles.items()}}
+
+
+def merge_records(recs: list) -> dict:
+    """One evaluation record from every rank's share: accuracy weighted by problems, per-role
+    rates weighted by calls."""
+    recs = [r for r in recs if r]
+    n = sum(r["n"] for r in recs)
+    out = {"step": recs[0]["step"], "acc": sum(r["acc"] * r["n"] for r in recs) / n, "n": n, "calls": {}}
+    for r in recs:
+        for role, c in r["calls"].items():
+            out["calls"][role] = out["calls"].get(role, 0) + c
+    for key in ("parse_fail", "len", "code_block_rate"):
+        out[key] = {role: sum((r[key].get(role) or 0.0) * r["calls"].get(role, 0) for r in recs) / c
+                    for role, c in out["calls"].items() if c}
+    return out
+
+
 # ----------------------------------------------------------------------------- CLI: evaluate
 
 def _is_checkpoint(path: str) -> bool:

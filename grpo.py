@@ -1,5 +1,4 @@
-"""GRPO for workflows: per-slot advantages, the clipped objective, the per-role update, and
-role-level gradient diagnostics.
+"""GRPO for workflows: the paper's update, and only that.
 
 Objective minimised at each optimizer step, over the mini-batch M of one optimizer:
 
@@ -10,7 +9,7 @@ Objective minimised at each optimizer step, over the mini-batch M of one optimiz
     A_i  = (R_i - mean_g R) / (std_g R + 1e-6)  over the group g of i (unbiased std; a group of
            one has mean 0 and std 1, so A = R)
 
-Each choice and the train.py flag that sets it:
+Each choice and the train.py flag that sets it (the flags fill a `Hyper`, fields of the same names):
 - group g = (problem, slot) (`--adv-group slot`, the paper), or (problem, role) with every
   same-role slot pooled (`--adv-group role`). The episode's 0/1 reward is copied to each call.
 - eps_low / eps_high: `--clip-low 0.2 --clip-high 0.28` (clip-higher); c: `--clip-c 3.0` (dual
@@ -21,7 +20,7 @@ Each choice and the train.py flag that sets it:
   `--kl-coef-role ROLE=VALUE`; the reference is the base model (`policy.using(None)`: for LoRA,
   the adapter switched off). No entropy bonus.
 - logp_old is recomputed by this training forward, once, before the first mini-batch (the
-  sampler's logprobs differ numerically even at equal weights; their gap is logged, not used).
+  sampler's logprobs differ numerically even at equal weights).
 - temperature: logits / `--temperature` in the trainer exactly as in the sampler.
 - one epoch; each optimizer's n samples are shuffled and cut into ceil(n / `--mini-batch`)
   mini-batches of near-equal size (512 each at the paper's settings), one AdamW step per
@@ -29,38 +28,32 @@ Each choice and the train.py flag that sets it:
   accumulated over micro-batches of at most `--token-budget` padded tokens, clipped to
   `--max-grad-norm` per optimizer step; lr `--lr` with `--warmup-steps` of linear warm-up then
   cosine to 0 over `--steps`.
-- rows that cannot move the weights (advantage exactly 0 and no KL: the loss is -0 * ratio)
-  skip the old-logprob recompute and the training forward and backward; they still count in
-  the denominators, so the gradient is the same to float rounding. The token statistics
-  (clip fraction, ratio, entropy, logprob gap, KL) then cover the rows that ran; `skipped`
-  counts the others per role.
-- `--coherence-damp ROLE=LAMBDA` (CoherenceDamp): the paper's intervention on a role whose
-  successive gradients keep pointing one way; off by default.
-- data parallel (train.py under torchrun, `comm`): n is over every rank, each optimizer step
-  sums every (role, slot) part of the gradient over the ranks, and the loss divides by the
-  global mini-batch, so N ranks take the same steps as one process holding every sample.
 
-Layout of the training forward (the same as rollout.generate for the rows it admits
-together; a row admitted later sits at other columns of its slot but has the same positions):
-prompts left-padded to P, completions right after them (so every completion starts at column
-P) and right-padded to T; position_ids = cumsum(mask) - 1; the attention mask is always passed; the logprob of completion
-token t is read from the logits at position P-1+t. Only those T positions get logits
-(`logits_to_keep`), and the fp32 log-softmax is taken chunk by chunk by a small autograd
-function whose backward rebuilds each chunk, so no (B, T, V) fp32 tensor is ever held.
+Three devices keep memory and time bounded without changing the gradient:
+- `token_logprobs`: the fp32 log-softmax is taken chunk by chunk by a small autograd function
+  whose backward rebuilds each chunk, so no (B, T, V) fp32 tensor is ever held;
+- `micro_batches`: rows of alike length packed up to `--token-budget` padded tokens;
+- `rows_to_run`: a row with advantage exactly 0 and no KL has a loss of -0 * ratio, so no
+  gradient: it skips the old-logprob recompute and the training forward and backward, and
+  still counts in the denominators.
 
-Diagnostics (no extra backward): inside a mini-batch the micro-batches run grouped by role and,
-within a role, by slot; the flattened gradient is read after each slot, and the difference is
-that slot's contribution (it carries the slot's share of the loss normalisation, so it is not
-weighted again). Summed over the step's mini-batches they give per-slot and per-role gradients
-(`grad_norm`); the norm of a role's part of each optimizer step gives `grad_norm_opt`, the
-figure that compares roles taking different numbers of steps. Every field: docs/RUNFOLDER.md.
+Layout of the training forward (what rollout.generate_simple does): prompts left-padded to P,
+completions right after them (so every completion starts at column P) and right-padded to T;
+position_ids = cumsum(mask) - 1; the attention mask is always passed; the logprob of
+completion token t is read from the logits at position P-1+t.
+
+What observes or changes the update plugs in through one seam, a `Probe` (the base class
+does nothing, so `update(..., probe=None)` is the plain method): dynamics.RoleDynamics
+measures the role-level gradient dynamics, and through it the coherence intervention
+(damping.py) and the data-parallel reduction (parallel.py) act on each optimizer step's
+gradient before it is clipped.
 
 Run the tests: `python -m pytest -q tests/test_grpo.py`.
 """
 import math
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -79,6 +72,7 @@ class Sample:
     advantage: float           # group-normalised reward
     rollout: int = 0           # which of the problem's G episodes (for logs)
     call: int = 0              # index of the call within its episode (for logs)
+    here: bool = True          # False: a row another process computes (it still counts here)
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -109,8 +103,8 @@ def group_advantages(rewards: list, keys: list, eps: float = 1e-6) -> list:
 def samples_from_episodes(episodes, group_by: str = "slot") -> list:
     """Every call of every (scored) episode as a Sample, with its group's advantage.
 
-    Reads only attributes: episode.problem_id, .rollout, .reward, .calls; call.role, .slot, .prompt_ids,
-    .completion_ids, .logprobs, .finished."""
+    Reads only attributes: episode.problem_id, .rollout, .reward, .calls; call.role, .slot,
+    .prompt_ids, .completion_ids, .logprobs, .finished."""
     if group_by not in ("slot", "role"):
         raise ValueError(f"group_by must be slot or role, got {group_by!r}")
     samples = []
@@ -169,6 +163,12 @@ class _TokenLogprob(torch.autograd.Function):
         return grad, None, None
 
 
+def token_logprobs(logits, tokens, temperature: float):
+    """fp32 logprob (N,) of `tokens` (N,) under softmax(logits / temperature), with logits
+    (N, V) in the model's dtype; differentiable, with no (N, V) fp32 tensor kept."""
+    return _TokenLogprob.apply(logits, tokens, float(temperature))
+
+
 @torch.no_grad()
 def token_entropy(logits, temperature: float):
     """Entropy (N,) of softmax(logits / temperature), fp32 chunk by chunk, no grad."""
@@ -180,12 +180,6 @@ def token_entropy(logits, temperature: float):
         logp = z - torch.logsumexp(z, -1, keepdim=True)                   # (n, V)
         out.append(-(logp.exp() * logp).sum(-1))
     return torch.cat(out)
-
-
-def token_logprobs(logits, tokens, temperature: float):
-    """fp32 logprob (N,) of `tokens` (N,) under softmax(logits / temperature), with logits
-    (N, V) in the model's dtype; differentiable, with no (N, V) fp32 tensor kept."""
-    return _TokenLogprob.apply(logits, tokens, float(temperature))
 
 
 def batch_logprobs(model, prompts: list, completions: list, temperature: float,
@@ -316,49 +310,113 @@ def make_optimizers(policy, lr: float, warmup_steps: int, total_steps: int,
     return opts, scheds
 
 
-# ----------------------------------------------------------------------------- update
-
-def flat_grad(params) -> torch.Tensor:
-    """(N,) fp32 concatenation of the parameters' gradients (zeros where there is none)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                      for p in params])
-
-
-def set_flat_grad(params, vec) -> None:
-    """Write the (N,) vector back into the parameters' .grad, in flat_grad's order."""
-    k = 0
-    for p in params:
-        n = p.numel()
-        p.grad = vec[k:k + n].view_as(p).to(p.dtype).clone()
-        k += n
+def step_schedulers(schedulers) -> None:
+    for sched in schedulers.values():
+        with warnings.catch_warnings():
+            # an adapter without samples this step took no optimizer step; torch's order warning
+            # does not apply, since the schedule counts training steps, not optimizer steps
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            sched.step()
 
 
-def needs_forward(samples, kl_of, skip_zero: bool = True) -> list:
-    """Which rows can move the weights. With A = 0 the policy term is -0 * ratio, so a row
-    whose role also has no KL coefficient has exactly zero gradient: it skips the old-logprob
-    recompute and the training forward and backward, and still counts in the denominators."""
-    return [not skip_zero or s.advantage != 0.0 or kl_of(s.role) != 0.0 for s in samples]
+# ----------------------------------------------------------------------------- the update
+
+@dataclass
+class Hyper:
+    """The update's hyper-parameters; train.py fills them from its flags of the same names."""
+    temperature: float = 0.7
+    mini_batch: int = 512           # sequences per optimizer step
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: float = 3.0             # dual clip
+    loss_norm: str = "seq"          # "seq" or "token"
+    kl_coef: float = 0.0
+    kl_coef_role: dict = field(default_factory=dict)   # {role: coefficient}, overrides kl_coef
+    max_grad_norm: float = 1.0      # 0: no clipping
+    token_budget: int = 8192        # padded tokens per micro-batch
+    skip_zero: bool = True          # skip rows with no gradient (see rows_to_run)
+
+    def __post_init__(self):
+        if self.loss_norm not in ("seq", "token"):
+            raise ValueError(f"loss_norm must be seq or token, got {self.loss_norm!r}")
+        if self.mini_batch < 1:
+            raise ValueError("mini_batch must be >= 1")
+
+    def kl(self, role: str) -> float:
+        return float(self.kl_coef_role.get(role, self.kl_coef))
+
+
+class Probe:
+    """The seam through which diagnostics and interventions reach the update. `update` calls
+    these hooks in this order; every one does nothing here."""
+
+    def begin(self, samples, runs, old, ent):
+        """Before the first adapter: which rows run, their old logprobs and entropies."""
+
+    def tokens(self, role, mask, ratio, clipped, k3):
+        """After a micro-batch's loss: its per-token tensors, (B, T) each (k3 may be None)."""
+
+    def slot_done(self, name, role, slot, params):
+        """After the backward of a slot's micro-batches in the mini-batch (.grad holds it)."""
+
+    def before_step(self, name, params):
+        """The mini-batch's whole gradient is in .grad, before clipping; may change it."""
+
+    def after_step(self, name, norm):
+        """After the optimizer step; `norm` is the gradient's norm before clipping."""
+
+    def adapter_done(self, name, rows, lr):
+        """After the adapter's last step: the number of its rows and the lr it used."""
+
+
+def rows_to_run(samples, hp: Hyper) -> list:
+    """Which rows run a forward here: those that can move the weights (with A = 0 the policy
+    term is -0 * ratio, so a row whose role has no KL coefficient has exactly zero gradient)
+    and that this process holds."""
+    return [s.here and (not hp.skip_zero or s.advantage != 0.0 or hp.kl(s.role) != 0.0) for s in samples]
 
 
 @torch.no_grad()
-def old_logprobs(policy, samples, by_name, live, kl_of, temperature, token_budget):
+def reference_logprobs(policy, samples, runs, hp: Hyper):
     """(old, entropy, ref): per-sample 1-D tensors from the training forward before any
     parameter moves, None for rows that do not run; ref only for rows whose role has a KL."""
     old, ent, ref = [None] * len(samples), [None] * len(samples), [None] * len(samples)
+    by_name = defaultdict(list)
+    for i, s in enumerate(samples):
+        if runs[i]:
+            by_name[policy.adapter(s.role)].append(i)
     for name, rows in by_name.items():
-        rows = [i for i in rows if live[i]]
-        if rows:
-            with policy.using(name) as model:
-                lps, ents = sequence_logprobs(model, [samples[i] for i in rows], temperature, token_budget)
-            for i, lp, e in zip(rows, lps, ents):
-                old[i], ent[i] = lp, e
-    kl_rows = [i for i in range(len(samples)) if live[i] and kl_of(samples[i].role)]
+        with policy.using(name) as model:
+            lps, ents = sequence_logprobs(model, [samples[i] for i in rows], hp.temperature, hp.token_budget)
+        for i, lp, e in zip(rows, lps, ents):
+            old[i], ent[i] = lp, e
+    kl_rows = [i for i in range(len(samples)) if runs[i] and hp.kl(samples[i].role)]
     if kl_rows:
         with policy.using(None) as model:   # the frozen base is the KL reference
-            lps, _ = sequence_logprobs(model, [samples[i] for i in kl_rows], temperature, token_budget)
+            lps, _ = sequence_logprobs(model, [samples[i] for i in kl_rows], hp.temperature, hp.token_budget)
         for i, lp in zip(kl_rows, lps):
             ref[i] = lp
     return old, ent, ref
+
+
+def minibatches(rows: list, size: int) -> list:
+    """ceil(n / size) contiguous pieces of `rows`, their sizes differing by at most one."""
+    n = len(rows)
+    k = math.ceil(n / size)
+    return [rows[j * n // k:(j + 1) * n // k] for j in range(k)]
+
+
+def denominator(samples, rows, loss_norm: str) -> int:
+    """Sequences (seq) or completion tokens (token) of a mini-batch: what its loss divides by."""
+    return len(rows) if loss_norm == "seq" else sum(len(samples[i].completion_ids) for i in rows)
+
+
+def by_slot(samples, rows, roles) -> list:
+    """[((role, slot), rows)] of a mini-batch, roles in the workflow's order, then slots."""
+    groups = defaultdict(list)
+    for i in rows:
+        groups[samples[i].role, samples[i].slot].append(i)
+    return sorted(groups.items(), key=lambda kv: (roles.index(kv[0][0]), kv[0][1]))
 
 
 def _padded(ts, T, dev):
@@ -369,353 +427,52 @@ def _padded(ts, T, dev):
     return out
 
 
-def _micro_step(policy, name, samples, mb, old, ref, beta, denom, obj, stats):
-    """Forward, loss and backward of one micro-batch; gradients accumulate into .grad.
-    The backward runs while the adapter is active: under activation checkpointing the layers
-    are recomputed during it, and their LoRA hooks must see the same adapter."""
-    role = samples[mb[0]].role
-    with policy.using(name) as model:
-        logp, _, mask = batch_logprobs(model, [samples[i].prompt_ids for i in mb],
-                                       [samples[i].completion_ids for i in mb], obj["temperature"])
-        T, dev = logp.shape[1], logp.device
-        adv = torch.tensor([samples[i].advantage for i in mb], device=dev, dtype=torch.float32)
-        loss, _, ratio, clipped, k3 = objective(
-            logp, _padded([old[i] for i in mb], T, dev), adv, mask, clip_low=obj["clip_low"],
-            clip_high=obj["clip_high"], clip_c=obj["clip_c"], loss_norm=obj["loss_norm"], denom=denom,
-            ref_logp=_padded([ref[i] for i in mb], T, dev) if beta else None, kl_coef=beta)
-        loss.backward()
-    if stats is not None:
-        with torch.no_grad():
-            stats[role, "tokens"] += float(mask.sum())
-            stats[role, "clipped"] += float(clipped.sum())
-            stats[role, "ratio"] += float((ratio * mask).sum())
-            if k3 is not None:
-                stats[role, "kl"] += float((k3 * mask).sum())
+def micro_loss(model, samples, rows, old, ref, hp: Hyper, denom):
+    """The loss of one micro-batch (one slot, so one role) as its part of the mini-batch loss,
+    and its per-token (mask, ratio, clipped, k3)."""
+    beta = hp.kl(samples[rows[0]].role)
+    logp, _, mask = batch_logprobs(model, [samples[i].prompt_ids for i in rows],
+                                   [samples[i].completion_ids for i in rows], hp.temperature)  # (B, T)
+    T, dev = logp.shape[1], logp.device
+    adv = torch.tensor([samples[i].advantage for i in rows], device=dev, dtype=torch.float32)   # (B,)
+    loss, _, ratio, clipped, k3 = objective(
+        logp, _padded([old[i] for i in rows], T, dev), adv, mask, clip_low=hp.clip_low,
+        clip_high=hp.clip_high, clip_c=hp.clip_c, loss_norm=hp.loss_norm, denom=denom,
+        ref_logp=_padded([ref[i] for i in rows], T, dev) if beta else None, kl_coef=beta)
+    return loss, (mask, ratio, clipped, k3)
 
 
-def _denominator(samples, rows, loss_norm):
-    """Sequences (seq) or completion tokens (token) of a mini-batch: what its loss divides by."""
-    return len(rows) if loss_norm == "seq" else sum(len(samples[i].completion_ids) for i in rows)
-
-
-def minibatch_gradients(policy, name, samples, rows, old, ref, *, temperature, clip_low,
-                        clip_high, clip_c, loss_norm, kl_of, token_budget, acc=None, stats=None,
-                        live=None, denom=None):
-    """Accumulate the gradient of one mini-batch's loss into the .grad of adapter `name`, and
-    return each (role, slot)'s part of it: {(role, slot): flattened contribution}.
-
-    rows: indices into samples; old / ref: per-sample 1-D tensors (ref may hold None); kl_of:
-    role -> KL coefficient; live: which rows run (needs_forward; default all); denom: the loss
-    normalisation (default: this mini-batch's sequences or tokens; under data parallelism
-    the global mini-batch's). Micro-batches
-    run role by role and slot by slot, and the flattened gradient is read after each slot:
-    the difference is that slot's contribution (it carries the slot's share of the loss
-    normalisation, so it is not weighted again). If `acc` is given, the contributions are
-    added to it in place and it is returned. `stats`, if given, is a defaultdict(float) keyed
-    by (role, field) that gets token counts and sums."""
-    params = policy.parameters_of(name)
-    for p in params:  # zeros, not None: a mini-batch with nothing to run still steps AdamW
-        p.grad = torch.zeros_like(p)
-    obj = dict(temperature=temperature, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
-               loss_norm=loss_norm)
-    denom = denom or _denominator(samples, rows, loss_norm)
-    by_slot = defaultdict(list)
-    for i in rows:
-        by_slot[(samples[i].role, samples[i].slot)].append(i)
-    out = {} if acc is None else acc
-    prev = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
-    for role, slot in sorted(by_slot, key=lambda k: (policy.roles.index(k[0]), k[1])):
-        run = [i for i in by_slot[role, slot] if live is None or live[i]]
-        for mb in micro_batches(samples, run, token_budget):
-            _micro_step(policy, name, samples, mb, old, ref, kl_of(role), denom, obj, stats)
-        now = flat_grad(params)                  # (N,) the accumulated gradient so far
-        part = now - prev
-        out[role, slot] = out[role, slot] + part if (role, slot) in out else part
-        prev = now
-    return out
-
-
-class CoherenceDamp:
-    """The paper's coherence intervention (`--coherence-damp ROLE=LAMBDA`): at each optimizer
-    step a role's gradient g is scaled by s = 1 - LAMBDA * max(0, cos(g, m)), where m is an
-    EMA of the role's past (scaled) gradients, m <- d m + (1 - d) s g with d = 1 - 1/window
-    (`--coherence-window`). A gradient that keeps pointing where the role already went is
-    damped; the first step of a role (no history) is not. LAMBDA 0 leaves the update exact."""
-
-    def __init__(self, lambdas: dict, window: int = 10):
-        if window < 1:
-            raise ValueError("coherence window must be >= 1")
-        self.lambdas, self.decay, self.ema = dict(lambdas), 1.0 - 1.0 / window, {}
-
-    def __call__(self, role: str, g):
-        """(scale, cosine or None) for this step's gradient of `role`; updates its EMA."""
-        if role not in self.lambdas:
-            return 1.0, None
-        m = self.ema.get(role)
-        cos = _cos(g, m) if m is not None else None
-        scale = 1.0 - self.lambdas[role] * max(0.0, cos) if cos is not None else 1.0
-        self.ema[role] = g * scale if m is None else m.mul_(self.decay).add_(g, alpha=(1 - self.decay) * scale)
-        return scale, cos
-
-    def state_dict(self) -> dict:
-        return {"ema": {r: m.cpu() for r, m in self.ema.items()}}
-
-    def load_state_dict(self, state: dict, device=None) -> None:
-        self.ema = {r: m.to(device) if device is not None else m for r, m in state["ema"].items()}
-
-
-def _cos(a, b):
-    na, nb = float(a.norm()), float(b.norm())
-    return None if na == 0 or nb == 0 else float(a @ b) / (na * nb)
-
-
-class StepLog:
-    """What one training step measured, gathered while the adapters update."""
-
-    def __init__(self):
-        self.stats = defaultdict(float)        # (role, field) -> token counts and sums
-        self.opt_norms = defaultdict(list)     # role -> norm of its part of each optimizer step
-        self.damp = defaultdict(list)          # role -> (cosine, scale) per optimizer step
-        self.opt_steps = defaultdict(int)      # role -> optimizer steps whose mini-batch held it
-        self.role_norm, self.slot_norm, self.adapters = {}, {}, {}
-        self.coherence, self.slot_cos, self.cos_roles = {}, {}, {}
-
-
-def optimizer_step(opt, params, parts, max_grad_norm, damp, log):
-    """Damp (if asked), clip and apply one mini-batch's gradient; return its pre-clip norm.
-    parts: {(role, slot): contribution}; their sum is what .grad holds."""
-    by_role = defaultdict(list)
-    for (role, _), v in parts.items():
-        by_role[role].append(v)
-    scales = {}
-    for role, vs in by_role.items():
-        g = torch.stack(vs).sum(0) if len(vs) > 1 else vs[0]
-        log.opt_norms[role].append(float(g.norm()))   # before damping and clipping
-        log.opt_steps[role] += 1
-        if damp is not None:
-            scales[role], cos = damp(role, g)
-            if cos is not None:
-                log.damp[role].append((cos, scales[role]))
-    if any(s != 1.0 for s in scales.values()):  # only then rebuild: scale 1 keeps .grad exact
-        set_flat_grad(params, sum(v * scales.get(role, 1.0) for (role, _), v in parts.items()))
-    if max_grad_norm and max_grad_norm > 0:
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    else:
-        norm = float(flat_grad(params).norm())
-    opt.step()
-    return norm
-
-
-def minibatches(rows, offset, total, n_mb):
-    """This rank's part of each of the step's n_mb mini-batches. The global order is every
-    rank's rows one rank after the other (this rank's start at `offset` of `total`), cut into
-    n_mb contiguous pieces whose sizes differ by at most one, so every mini-batch holds rows
-    and one process cuts exactly as N processes together do."""
-    out = []
-    for k in range(n_mb):
-        lo, hi = k * total // n_mb - offset, (k + 1) * total // n_mb - offset
-        out.append(rows[max(0, lo):max(0, min(len(rows), hi))])
-    return out
-
-
-def _reduce_parts(comm, parts, keys, params):
-    """Sum every (role, slot) part over ranks (zeros where a rank has none) and set .grad to
-    their sum: the global gradient of this optimizer step."""
-    n = sum(p.numel() for p in params)
-    held = comm.sum([float(k in parts) for k in keys])   # which parts some rank has
-    stack = torch.stack([parts[k] if k in parts else torch.zeros(n, device=params[0].device) for k in keys])
-    comm.all_reduce_(stack)                          # (K, N)
-    set_flat_grad(params, stack.sum(0))
-    return {k: stack[j] for j, k in enumerate(keys) if held[j]}
-
-
-def adapter_step(policy, name, opt, samples, rows, live, old, ref, kl_of, obj, mini_batch,
-                 max_grad_norm, generator, damp, log, comm=None):
-    """Every mini-batch of one adapter: shuffle its rows (not when generator is None), cut the
-    step's rows into ceil(n / mini_batch) mini-batches (n over every rank), one optimizer step
-    each; then reduce the step's diagnostics."""
-    params = policy.parameters_of(name)
-    counts = comm.gather(len(rows)) if comm else [len(rows)]
-    offset, total = sum(counts[:comm.rank]) if comm else 0, sum(counts)
-    log.adapters[name] = {"n": total, "opt_steps": 0, "grad_norm": 0.0, "lr": opt.param_groups[0]["lr"]}
-    if not total:
-        return
-    if generator is not None:
-        rows = [rows[j] for j in torch.randperm(len(rows), generator=generator).tolist()]
-    keys = sorted({(samples[i].role, samples[i].slot) for i in rows})
-    if comm:
-        keys = sorted({tuple(k) for ks in comm.gather(keys) for k in ks})
-    step_parts, norms = {}, []   # (role, slot) -> contribution summed over the step
-    for mb in minibatches(rows, offset, total, math.ceil(total / mini_batch)):
-        denom = _denominator(samples, mb, obj["loss_norm"])
-        parts = minibatch_gradients(policy, name, samples, mb, old, ref, kl_of=kl_of, stats=log.stats,
-                                    live=live, denom=comm.sum(denom) if comm else denom, **obj)
-        if comm:
-            parts = _reduce_parts(comm, parts, keys, params)
-        norms.append(optimizer_step(opt, params, parts, max_grad_norm, damp, log))
-        for k, v in parts.items():
-            step_parts[k] = step_parts[k].add_(v) if k in step_parts else v
-    opt.zero_grad(set_to_none=True)
-    log.adapters[name].update(opt_steps=len(norms), grad_norm=sum(norms) / len(norms))
-    reduce_diagnostics(policy, step_parts, log)
-
-
-def reduce_diagnostics(policy, parts, log):
-    """Per-role and per-slot norms, slot cosines, coherence and role cosines of one adapter's
-    step contributions, as floats (the vectors are freed after)."""
-    roles_here = sorted({r for r, _ in parts}, key=policy.roles.index)
-    rvec = {}
-    for role in roles_here:
-        keys = sorted(k for k in parts if k[0] == role)
-        rvec[role] = sum(parts[k] for k in keys)
-        log.role_norm[role] = float(rvec[role].norm())
-        for k in keys:
-            log.slot_norm[k[1]] = float(parts[k].norm())
-        if len(keys) > 1:
-            total = sum(log.slot_norm[k[1]] for k in keys)
-            if total > 0:
-                log.coherence[role] = log.role_norm[role] / total
-            pairs = {f"{a[1]}|{b[1]}": _cos(parts[a], parts[b]) for i, a in enumerate(keys) for b in keys[i + 1:]}
-            log.slot_cos[role] = {k: c for k, c in pairs.items() if c is not None}
-    for i, a in enumerate(roles_here):
-        for b in roles_here[i + 1:]:
-            c = _cos(rvec[a], rvec[b])
-            if c is not None:
-                log.cos_roles[f"{a}|{b}"] = c
-
-
-def _step_schedulers(schedulers):
-    for sched in schedulers.values():
-        with warnings.catch_warnings():
-            # an adapter without samples this step took no optimizer step; torch's order warning
-            # does not apply, since the schedule counts training steps, not optimizer steps
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-            sched.step()
-
-
-def update(policy, optimizers, schedulers, samples, *, temperature, mini_batch=512, clip_low=0.2,
-           clip_high=0.28, clip_c=3.0, loss_norm="seq", kl_coef=0.0, kl_coef_role=None,
-           max_grad_norm=1.0, token_budget=8192, generator=None, damp=None, skip_zero=True,
-           comm=None) -> dict:
-    """One training step over `samples`; returns the step's metrics (docs/RUNFOLDER.md).
-
-    Steps: (1) old logprobs (and the base's, for roles with a KL coefficient) recomputed once,
-    before any parameter moves, for the rows that can move the weights (needs_forward);
-    (2) for each adapter name: its samples (those of the roles routed to it) are shuffled with
-    `generator` and cut into mini-batches of `mini_batch` sequences; each mini-batch takes one
-    optimizer step after gradient accumulation over micro-batches, the optional coherence
-    damping (`damp`, a CoherenceDamp) and clipping to `max_grad_norm`; (3) every scheduler
-    steps once; (4) the diagnostics are summarised (`summarise`). With `comm` (parallel.Comm,
-    under torchrun) `samples` are this rank's, and every count, norm and mean is global."""
-    if loss_norm not in ("seq", "token"):
-        raise ValueError(f"loss_norm must be seq or token, got {loss_norm!r}")
-    if mini_batch < 1:
-        raise ValueError("mini_batch must be >= 1")
-    kl_coef_role = dict(kl_coef_role or {})
-    unknown = set(kl_coef_role) - set(policy.roles)
-    if unknown:
-        raise KeyError(f"kl_coef_role names roles {sorted(unknown)} not in {policy.roles}")
-
-    def kl_of(role):
-        return float(kl_coef_role.get(role, kl_coef))
-
-    by_name = defaultdict(list)
-    for i, s in enumerate(samples):
-        by_name[policy.adapter(s.role)].append(i)
-    live = needs_forward(samples, kl_of, skip_zero)
-    old, ent, ref = old_logprobs(policy, samples, by_name, live, kl_of, temperature, token_budget)
-    obj = dict(temperature=temperature, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
-               loss_norm=loss_norm, token_budget=token_budget)
-    log = StepLog()
+def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, probe=None) -> None:
+    """One training step over `samples`: old logprobs once, then for every adapter its rows
+    shuffled with the torch.Generator `shuffle` (None: in order), cut into mini-batches, one
+    optimizer step each; then every scheduler steps once."""
+    probe = probe or Probe()
+    if set(hp.kl_coef_role) - set(policy.roles):
+        raise KeyError(f"kl_coef_role names roles {sorted(set(hp.kl_coef_role) - set(policy.roles))} not in {policy.roles}")
+    runs = rows_to_run(samples, hp)
+    old, ent, ref = reference_logprobs(policy, samples, runs, hp)
+    probe.begin(samples, runs, old, ent)
     for name in policy.names:
-        adapter_step(policy, name, optimizers[name], samples, by_name.get(name, []), live, old, ref,
-                     kl_of, obj, mini_batch, max_grad_norm, generator, damp, log, comm)
-    _step_schedulers(schedulers)
-    return summarise(policy, samples, live, old, ent, log, kl_of, comm)
-
-
-ROLE_SUMS = ("n", "toks", "skipped", "trunc", "ent", "ent_n", "gap", "gap_n", "tokens", "clipped", "ratio", "kl")
-
-
-def _role_sums(samples, idx, live, old, ent, log, role) -> list:
-    """One role's additive numbers on this rank, in ROLE_SUMS order; the token statistics
-    cover the rows that ran."""
-    ran = [i for i in idx if live[i]]
-    gap = gap_n = 0.0
-    for i in ran:
-        sl = samples[i].sampler_logprobs
-        if len(sl) == len(samples[i].completion_ids):  # skip rows without sampler logprobs
-            gap += float((torch.tensor(sl, device=old[i].device) - old[i]).abs().sum())
-            gap_n += len(sl)
-    return [len(idx), sum(len(samples[i].completion_ids) for i in idx), len(idx) - len(ran),
-            sum(not samples[i].finished for i in idx), float(sum(ent[i].sum() for i in ran)),
-            sum(len(ent[i]) for i in ran), gap, gap_n,
-            *(log.stats[role, k] for k in ("tokens", "clipped", "ratio", "kl"))]
-
-
-def _role_summary(s: dict, log, role, total_norm, kl: bool) -> dict:
-    """The role's metrics from its summed numbers; a token statistic of a role none of whose
-    rows ran (every advantage 0) is None, not 0."""
-    t = s["tokens"] or None
-    norm, opt = log.role_norm.get(role, 0.0), log.opt_norms.get(role, [])
-    r = {"n": int(s["n"]), "len": s["toks"] / s["n"], "skipped": int(s["skipped"]), "trunc_frac": s["trunc"] / s["n"],
-         "grad_norm": norm, "grad_share": norm / total_norm if total_norm > 0 else 0.0,
-         "grad_norm_opt": sum(opt) / len(opt) if opt else 0.0, "grad_norm_opt_max": max(opt, default=0.0),
-         "clip_frac": t and s["clipped"] / t, "ratio_mean": t and s["ratio"] / t,
-         "entropy": s["ent"] / s["ent_n"] if s["ent_n"] else None,
-         "logprob_gap": s["gap"] / s["gap_n"] if s["gap_n"] else None, "opt_steps": log.opt_steps[role]}
-    if kl:
-        r["kl"] = t and s["kl"] / t
-    if log.damp.get(role):
-        r["damp_cos"] = sum(c for c, _ in log.damp[role]) / len(log.damp[role])
-        r["damp_scale"] = sum(s for _, s in log.damp[role]) / len(log.damp[role])
-    return r
-
-
-def summarise(policy, samples, live, old, ent, log, kl_of, comm=None) -> dict:
-    """The step's metrics (every field is described in docs/RUNFOLDER.md).
-
-    Per role: n, len, skipped (rows with zero gradient that did not run), trunc_frac,
-    grad_norm (norm of the role's contribution summed over the step, before clipping),
-    grad_share (that norm over the sum of every role's norm), grad_norm_opt / _max (mean / max
-    over the optimizer steps that held the role of the norm of its part of that step's
-    gradient, before damping and clipping), clip_frac, ratio_mean, entropy, logprob_gap
-    (token means over the rows that ran), opt_steps, kl (when its coefficient is set),
-    damp_cos / damp_scale (with the coherence intervention). Per slot: n, len, grad_norm.
-    dominant_role (absent when no role had any gradient), cos_roles (pairs of roles on one
-    adapter), slot_cos and coherence ||sum_k g_k|| / sum_k ||g_k|| for roles with several
-    slots; adapters: {name: {n, opt_steps, grad_norm (mean pre-clip norm per step), lr}}.
-
-    Memory of the diagnostics: per slot of an adapter, one fp32 vector the size of the adapter
-    for the mini-batch and one for the step, plus two snapshots, held while that adapter's
-    mini-batches run. For LoRA rank 64 on Qwen3-4B an adapter is ~130M numbers (~0.5 GB), so
-    Voting under shared holds ~5 GB; with --isolation full they are the size of the model,
-    which is why full copies are for small models only."""
-    sums = [_role_sums(samples, [i for i, s in enumerate(samples) if s.role == role], live, old, ent, log, role)
-            for role in policy.roles]
-    slots = list(dict.fromkeys(s.slot for s in samples))
-    if comm:
-        slots = list(dict.fromkeys(s for ss in comm.gather(slots) for s in ss))
-    slot_sums = [[sum(s.slot == k for s in samples), sum(len(s.completion_ids) for s in samples if s.slot == k)]
-                 for k in slots]
-    if comm:  # one collective for every number of the step
-        flat = comm.sum([x for r in sums for x in r] + [x for r in slot_sums for x in r])
-        sums = [flat[j * len(ROLE_SUMS):(j + 1) * len(ROLE_SUMS)] for j in range(len(sums))]
-        rest = flat[len(sums) * len(ROLE_SUMS):]
-        slot_sums = [rest[2 * j:2 * j + 2] for j in range(len(slots))]
-    total_norm = sum(log.role_norm.values())
-    roles = {role: _role_summary(dict(zip(ROLE_SUMS, s)), log, role, total_norm, bool(kl_of(role)))
-             for role, s in zip(policy.roles, sums) if s[0]}
-    out = {"roles": roles, "adapters": log.adapters,
-           "slots": {k: {"n": int(n), "len": t / n, "grad_norm": log.slot_norm.get(k, 0.0)}
-                     for k, (n, t) in zip(slots, slot_sums) if n},
-           "lr": next(iter(log.adapters.values()))["lr"] if log.adapters else 0.0}
-    if total_norm > 0:
-        out["dominant_role"] = max(roles, key=lambda r: roles[r]["grad_share"])
-    if log.cos_roles:
-        out["cos_roles"] = log.cos_roles
-    if log.coherence:
-        out["coherence"] = log.coherence
-    if any(log.slot_cos.values()):
-        out["slot_cos"] = {k: v for k, v in log.slot_cos.items() if v}
-    return out
+        opt, params = optimizers[name], policy.parameters_of(name)
+        rows = [i for i, s in enumerate(samples) if policy.adapter(s.role) == name]
+        if shuffle is not None and rows:
+            rows = [rows[j] for j in torch.randperm(len(rows), generator=shuffle).tolist()]
+        for mb in minibatches(rows, hp.mini_batch):
+            denom = denominator(samples, mb, hp.loss_norm)
+            for p in params:  # zeros, not None: a mini-batch with nothing to run still steps AdamW
+                p.grad = torch.zeros_like(p)
+            for (role, slot), slot_rows in by_slot(samples, mb, policy.roles):
+                for micro in micro_batches(samples, [i for i in slot_rows if runs[i]], hp.token_budget):
+                    # the backward runs under the adapter too: checkpointed layers recompute in it
+                    with policy.using(name) as model:
+                        loss, per_token = micro_loss(model, samples, micro, old, ref, hp, denom)
+                        loss.backward()
+                    probe.tokens(role, *per_token)
+                probe.slot_done(name, role, slot, params)
+            probe.before_step(name, params)
+            norm = torch.nn.utils.clip_grad_norm_(params, hp.max_grad_norm or math.inf)
+            opt.step()
+            probe.after_step(name, float(norm))
+        opt.zero_grad(set_to_none=True)
+        probe.adapter_done(name, len(rows), opt.param_groups[0]["lr"])
+    step_schedulers(schedulers)

@@ -10,9 +10,15 @@ Choices:
   CPUs.
 - The problems of a step are split across ranks in contiguous shares (`share`); all G
   rollouts of a problem stay on its rank, so advantage groups never cross ranks.
+- Every rank holds every row of the step (`every_rank_rows`): its own Samples, and for the
+  other ranks' rows a stand-in with what the update reads of a row it does not compute (role,
+  slot, completion length, reward, advantage) and `here=False`. So grpo.update shuffles and
+  cuts the same global mini-batches on every rank, divides by the global mini-batch, and
+  runs the forward and backward of its own rows only: N ranks take the same optimizer steps
+  as one process holding every sample.
 - Gradients are summed over ranks once per optimizer step, together with the per-slot parts
-  the diagnostics read (`all_reduce_`), so norms, shares, cosines and coherence are those of
-  the global gradient whatever N is. grpo.py divides by the global mini-batch.
+  the diagnostics read (`reduce_parts`, called by dynamics.RoleDynamics before each step), so
+  norms, shares, cosines and coherence are those of the global gradient whatever N is.
 - Scalars and small records (counts, evaluation results, RNG states) go through
   `sum` / `gather` (all_gather_object), which every rank must call in the same order.
 - Failure: a rank that raises exits non-zero; its peers' next collective fails (gloo: the
@@ -69,6 +75,35 @@ class Comm:
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+def every_rank_rows(comm: Comm, samples: list) -> list:
+    """The step's rows of every rank, in rank order: this rank's Samples as they are, the
+    others' as stand-ins (here=False; no prompt, zeros for the completion ids, which only
+    count tokens). Every rank gets the same list but for which rows are its own."""
+    import grpo
+    shapes = comm.gather([(s.role, s.slot, s.problem_id, len(s.completion_ids), s.finished, s.reward,
+                           s.advantage, s.rollout, s.call) for s in samples])
+    out = []
+    for rank, rows in enumerate(shapes):
+        if rank == comm.rank:
+            out += samples
+            continue
+        out += [grpo.Sample(role, slot, pid, [], [0] * n, [], fin, reward, adv, rollout, call, here=False)
+                for role, slot, pid, n, fin, reward, adv, rollout, call in rows]
+    return out
+
+
+def reduce_parts(comm: Comm, parts: dict, params: list) -> dict:
+    """Sum every (role, slot) part of an optimizer step's gradient over the ranks, set .grad to
+    their sum (the global gradient) and return the global parts. Every rank holds the same
+    keys in the same order, since every rank walks the same global mini-batch."""
+    from dynamics import set_flat_grad
+    keys = list(parts)
+    stack = torch.stack([parts[k] for k in keys])    # (K, N)
+    comm.all_reduce_(stack)
+    set_flat_grad(params, stack.sum(0))
+    return {k: stack[j] for j, k in enumerate(keys)}
 
 
 def init(device: str | None = None) -> Comm | None:

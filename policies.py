@@ -282,3 +282,24 @@ class Policy(nn.Module):
                     sd[k] = self.lora.merged_weight(name, i, sd[k])
             self.model.save_pretrained(folder, state_dict=sd)
         self.tokenizer.save_pretrained(folder)
+
+
+def memory_plan(policy, kv_budget: int, args) -> str:
+    """One line of memory: weights, trainable weights with AdamW states, the KV budget and the
+    rows it holds at the length limits, and the training micro-batch; a user sees at once
+    whether the run fits. The prompt length is the limit, else the longest prompt expected: an
+    aggregator's three clipped solutions plus ~512 tokens of instruction and problem."""
+    import rollout
+    a, p = args, policy
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    weights = sum(t.numel() * t.element_size() for t in p.model.parameters())
+    trainable = sum(t.numel() for n in p.names for t in p.parameters_of(n))
+    cfg, size = p.model.config, next(p.model.parameters()).element_size()
+    per_tok = rollout.kv_bytes_per_token(cfg, next(p.model.parameters()).dtype)
+    prompt = a.max_prompt_tokens or 3 * (a.max_embed_tokens or a.max_new_tokens) + 512
+    logits = a.token_budget * cfg.vocab_size * 2 * size        # the logits and their gradient
+    acts = a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size
+    return (f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
+            f"{gib(16 * trainable)} | {rollout.kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens)} "
+            f"({per_tok / 1024:.0f} KiB a token) | micro-batch {a.token_budget} tokens: logits + grad {gib(logits)}, "
+            f"layer inputs {gib(acts)}{' (checkpointed)' if p.checkpointing else ' + every activation'}")

@@ -1,7 +1,11 @@
-"""Rollout: a hand-written sampler with continuous batching in a KV budget, and the `llm` that
-runs workflow stages through it.
+"""Rollout: the sampler, and the `llm` that runs workflow stages through it.
 
-generate(model, prompts, ...) samples one completion per token-id prompt:
+The module opens with `generate_simple`, the plain reference sampler: every prompt left-padded
+into one batch and one ordinary DynamicCache, every row stepping together until all have ended.
+`generate`, further down, is the fast version (continuous batching in a KV budget), tested
+against it in tests/test_sampler.py: the same tokens, logprobs, masks and finished flags.
+
+Both sample one completion per token-id prompt:
 - logits are divided by the temperature and upcast to fp32 before the log-softmax; the
   returned logprob of a token is under that temperature-scaled distribution (top-p only
   narrows which tokens can be drawn; with top_p=1, the paper's setting, it is exactly the
@@ -11,7 +15,7 @@ generate(model, prompts, ...) samples one completion per token-id prompt:
   token is kept with mask 1, later positions are pad with mask 0; `finished` is False for rows
   cut at their limit. Outputs are per prompt, in input order, whatever order rows ran in.
 
-How rows share memory (fixed slots, chosen for plain torch + Hugging Face models):
+How `generate`'s rows share memory (fixed slots, chosen for plain torch + Hugging Face models):
 - the call holds S slots, each with room for the longest row (L = max prompt + max_new_tokens
   columns): per layer one K and one V buffer (S, kv_heads, L, head_dim), zero-filled once.
   S = what `kv_budget` bytes hold (None: every row at once), capped by `max_rows`. Slots, not
@@ -23,29 +27,32 @@ How rows share memory (fixed slots, chosen for plain torch + Hugging Face models
   at columns pad, pad+1, ... of its slot and its position id is column - pad (the trainer's
   `cumsum(mask) - 1`). A decode step writes every row's new K/V at its own column (one indexed
   write per layer, no Python loop over rows; a plain slice write while every slot shares one
-  column, as rows admitted together do) and attends columns [0, W], W the furthest live
-  column; the 2-D attention mask `pad <= column <= own column` hides the rest, and is always
-  passed. A chunk never pads a prompt past the room its limit leaves in the slot.
+  column, as rows admitted together do) and attends columns [0, W], W the furthest column of
+  a busy slot (one holding a row that has not ended); the 2-D attention mask
+  `pad <= column <= own column` hides the rest, and is always passed. A chunk never pads a
+  prompt past the room its limit leaves in the slot.
 - when a row stops, its slot goes to the next waiting prompt. Newcomers are prefilled together
   through the same cache object, whose update writes their K/V straight into their slots (no
-  second cache). They are admitted once REFILL_AT (1/16) of the slots are
-  free: on a GPU a prefill forward costs about one decode step, so refilling one row at a time
-  would add a forward to most steps, while waiting for 1/16 keeps the batch >= 15/16 full (on
-  CPU the two measured the same). Once the queue is empty the batch shrinks to the live rows
-  each time they fall to half.
+  second cache). They are admitted once REFILL_AT (1/16) of the slots are free: a prefill
+  forward of a few rows costs about as much as a decode step (on a GPU both are bound by
+  reading every weight once), so refilling one row at a time would add a forward to most
+  steps, while waiting for 1/16 keeps the batch >= 15/16 full. Once the queue is empty the
+  batch shrinks to the busy slots each time they fall to half.
 - identical prompts are prefilled once: copies in one prefill share a row, and a copy admitted
   later copies the prompt's K/V from a slot that holds it (free slots keep theirs: they write
   at column L-1, which no prompt reaches) and reuses the saved logits of its first token; each
   row still samples its own first token.
 - one host sync per decode step (which rows hit a stop id); the host decides everything else
-  from its own counters. The refill phase loops over the rows that just ended.
+  from its own counters (`_Slots`, one packed array named row by row: ROW, MADE, POS, BUSY,
+  PAD). The refill phase loops over the rows that just ended.
 
 CUDA graphs are not captured: the decode step's shapes change every step (the attended width
 W grows, the batch shrinks) and transformers builds the mask and walks the cache in Python, so
-capturing needs a static window (all L columns every step, fixed S) and torch.compile; without
-a GPU to test it on, no graph path is built.
+capturing would need a static window (all L columns every step, a fixed S) and torch.compile,
+giving up the work that the growing window and the shrinking batch save.
 
-Run `python bench/generate.py` to compare its speed with `model.generate` and lockstep batches.
+Run `python bench/generate.py` to compare its speed with `model.generate` and with
+`generate_simple` in lockstep batches.
 """
 import functools
 import inspect
@@ -70,6 +77,122 @@ class Generation:
     logprobs: torch.Tensor  # (B, T) fp32 logprob of each sampled token, 0 where mask is 0
     mask: torch.Tensor      # (B, T) bool, True for real tokens, the stop token included
     finished: torch.Tensor  # (B,) bool, True if the row emitted a stop id
+
+
+# ----------------------------------------------------------------------------- the reference sampler
+
+@torch.no_grad()  # not inference_mode: its tensors could not be reused by autograd later
+def generate_simple(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
+                    temperature: float = 1.0, top_p: float = 1.0, generator=None) -> Generation:
+    """Sample a completion for every prompt (a list of token-id lists), the plain way: all rows
+    in one left-padded batch and one DynamicCache, stepping together until every row has hit a
+    stop id or its limit (`max_new_tokens`: one int, or one per prompt). The reference that
+    `generate` is tested against; it holds every row at once, for as many steps as the longest."""
+    dev = next(model.parameters()).device
+    limits = torch.from_numpy(_limits(prompts, max_new_tokens)).to(dev)  # (B,)
+    B, T = len(prompts), int(limits.max())
+    # left padding: every prompt ends in the last column, so every row's next token comes
+    # from the logits at -1; the pad columns in front have mask 0
+    ids, mask = left_pad(prompts, pad_id, dev)                           # (B, P)
+    stops = torch.tensor(sorted(set(stop_ids)), device=dev)
+    tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)   # (B, T)
+    logps = torch.zeros((B, T), dtype=torch.float32, device=dev)         # (B, T)
+    made = torch.zeros(B, dtype=torch.long, device=dev)                  # (B,) tokens kept per row
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)              # (B,) emitted a stop id
+    done = torch.zeros(B, dtype=torch.bool, device=dev)                  # (B,) stopped or at its limit
+    cache = _new_cache(model)
+    for t in range(T):
+        # position = cumsum(mask) - 1, the trainer's formula: each prompt starts at position 0
+        # whatever its padding. The mask, passed every step, hides the pad columns.
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)                         # (B, P+t)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos[:, -ids.shape[1]:],
+                    use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
+        logits = out.logits[:, -1].float()                               # (B, V), fp32 before the log-softmax
+        # sample_next divides by the temperature: the logprob is under that scaled distribution
+        tok, lp = sample_next(logits, temperature, top_p, generator)     # (B,)
+        tokens[:, t], logps[:, t] = tok.masked_fill(done, pad_id), lp.masked_fill(done, 0.0)
+        # a stop token is kept (mask 1: the policy chose it, so it is trained on); pad follows
+        hit = ~done & torch.isin(tok, stops)
+        made += ~done
+        finished |= hit
+        done |= hit | (made >= limits)
+        if done.all():
+            break
+        # rows that ended keep stepping, so the batch keeps one shape; their tokens are dropped above
+        ids = tok[:, None]                                               # (B, 1)
+        mask = torch.cat([mask, mask.new_ones((B, 1))], dim=1)           # (B, P+t+1)
+    n = int(made.max())
+    mask = torch.arange(n, device=dev) < made[:, None]                   # (B, n), the stop token included
+    return Generation(tokens[:, :n], logps[:, :n], mask, finished)
+
+
+def sample_next(logits, temperature: float, top_p: float, generator):
+    """Draw one token per row from fp32 `logits` (B, V); return (ids (B,), logprobs (B,))."""
+    if temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)  # (B, V)
+        ids = logp.argmax(-1)
+    else:
+        logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, V)
+        probs = logp.exp()
+        if top_p < 1.0:
+            sp, si = probs.sort(-1, descending=True)
+            # keep the smallest prefix whose mass reaches top_p: a token goes once the mass
+            # before it already reaches top_p (`>=`: on an exact tie the next token is not kept)
+            drop = sp.cumsum(-1) - sp >= top_p
+            ids = si.gather(-1, _draw(sp.masked_fill(drop, 0.0), generator)[:, None]).squeeze(-1)
+        else:
+            ids = _draw(probs, generator)
+    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+def _draw(probs, generator):
+    """One index per row of `probs` (B, V) by inverse CDF: a single uniform per row, a cumsum and
+    a binary search (lighter than torch.multinomial for one sample a row)."""
+    c = probs.cumsum(-1)                                               # (B, V)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * c[:, -1:]
+    # first index whose cumulative mass exceeds u: tokens of probability 0 are never chosen
+    return torch.searchsorted(c, u, right=True).clamp_(max=probs.shape[1] - 1).squeeze(-1)
+
+
+def left_pad(prompts: list, pad_id: int, device):
+    """(ids (B, P), mask (B, P)) with each prompt right-aligned."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, P - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _limits(prompts: list, max_new_tokens) -> np.ndarray:
+    """(B,) max_new_tokens per prompt, checked."""
+    B = len(prompts)
+    one = np.ndim(max_new_tokens) == 0
+    limits = np.full(B, int(max_new_tokens)) if one else np.asarray(list(max_new_tokens), dtype=np.int64)
+    if B == 0 or limits.shape != (B,) or limits.min() < 1 or min(map(len, prompts)) < 1:
+        raise ValueError("generate needs at least one prompt, none empty, and max_new_tokens >= 1 "
+                         "(one int, or one per prompt)")
+    return limits.astype(np.int64)
+
+
+def _cache_kwarg(model) -> str:
+    return _cache_kwarg_of(type(model))
+
+
+@functools.lru_cache
+def _cache_kwarg_of(model_class) -> str:
+    # transformers 5.x renamed `past_key_values` to `cache` (the old name warns until 5.40)
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_cache(model):
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
 
 
 # ----------------------------------------------------------------------------- KV budget
@@ -122,24 +245,6 @@ def _slot_count(rows: int, need: int, bytes_per_token: int, kv_budget, max_rows)
 
 # ----------------------------------------------------------------------------- the slot cache
 
-def _cache_kwarg(model) -> str:
-    return _cache_kwarg_of(type(model))
-
-
-@functools.lru_cache
-def _cache_kwarg_of(model_class) -> str:
-    # transformers 5.x renamed `past_key_values` to `cache` (the old name warns until 5.40)
-    params = inspect.signature(model_class.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _new_cache(model):
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older transformers
-        return DynamicCache()
-
-
 @dataclass
 class _Plan:
     """Where the forward in progress writes; one object shared by every layer of the cache."""
@@ -172,7 +277,7 @@ class _SlotLayer(DynamicLayer):
             self.keys[p.slots, :, :P], self.values[p.slots, :, :P] = key_states[p.src], value_states[p.src]
             return key_states, value_states
         n, w = len(p.rows), p.width + 1
-        if p.col is not None:  # every slot at one column: a plain slice write (about 2x faster)
+        if p.col is not None:  # every slot at one column: a plain slice write, no index tensors
             self.keys[:n, :, p.col], self.values[:n, :, p.col] = key_states[:, :, 0], value_states[:, :, 0]
         else:                  # (n, H, D): each row at its own column
             self.keys[p.rows, :, p.at], self.values[p.rows, :, p.at] = key_states[:, :, 0], value_states[:, :, 0]
@@ -206,74 +311,37 @@ def cache_bytes(cache) -> int:
     return sum(storages.values())
 
 
-# ----------------------------------------------------------------------------- sampling
-
-def left_pad(prompts: list, pad_id: int, device):
-    """(ids (B, P), mask (B, P)) with each prompt right-aligned."""
-    P = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), P), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        if p:
-            ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, P - len(p):] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _draw(probs, generator):
-    """One index per row of `probs` (B, V) by inverse CDF: a single uniform per row and a cumsum.
-    (torch.multinomial is several times slower on CPU for one sample a row.)"""
-    c = probs.cumsum(-1)                                               # (B, V)
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * c[:, -1:]
-    # first index whose cumulative mass exceeds u: tokens of probability 0 are never chosen
-    return torch.searchsorted(c, u, right=True).clamp_(max=probs.shape[1] - 1).squeeze(-1)
-
-
-def sample_next(logits, temperature: float, top_p: float, generator):
-    """Draw one token per row from fp32 `logits` (B, V); return (ids (B,), logprobs (B,))."""
-    if temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)  # (B, V)
-        ids = logp.argmax(-1)
-    else:
-        logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, V)
-        probs = logp.exp()
-        if top_p < 1.0:
-            sp, si = probs.sort(-1, descending=True)
-            # keep the smallest prefix whose mass reaches top_p: a token goes once the mass
-            # before it already reaches top_p (`>=`: on an exact tie the next token is not kept)
-            drop = sp.cumsum(-1) - sp >= top_p
-            ids = si.gather(-1, _draw(sp.masked_fill(drop, 0.0), generator)[:, None]).squeeze(-1)
-        else:
-            ids = _draw(probs, generator)
-    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
-
-
 # ----------------------------------------------------------------------------- the decode batch
+
+ROW, MADE, POS, BUSY, PAD = range(5)  # the counters of a slot: the rows of _Slots.h and of _Slots.dev
+
 
 @dataclass
 class _Slots:
     """The n slots of the decode batch. The host counters decide everything (no sync); `dev`
-    is their copy on the device, for the step's writes."""
-    h: np.ndarray                # (5, n) int64 counters: row, made, pos, live, pad (views below)
+    is their copy on the device, for the step's writes. The counters are packed in one array,
+    a row per counter (ROW, MADE, POS, BUSY, PAD), so that one copy takes them to the device."""
+    h: np.ndarray                # (5, n) int64: h[ROW], h[MADE], h[POS], h[BUSY], h[PAD] (views below)
     limit: np.ndarray            # (n,) the row's max_new_tokens
     pid: np.ndarray              # (n,) distinct prompt whose K/V the slot's first columns hold, -1 none
     spare: int                   # the output row free slots write to (B, a row of no prompt)
     park: int                    # the column free slots write to (L-1, which no prompt reaches)
-    dev: torch.Tensor = None     # (5, n) long: `h` on the device
+    dev: torch.Tensor = None     # (5, n) long: `h` on the device, indexed the same way
     tok: torch.Tensor = None     # (n,) the token each slot sampled last
     logits: torch.Tensor = None  # (n, V) fp32 logits of each slot's next token
     shared: np.ndarray = None    # on CPU: the `h` that `dev` shares memory with
 
-    row = property(lambda self: self.h[0])   # (n,) prompt index held, `spare` when free
-    made = property(lambda self: self.h[1])  # (n,) tokens sampled so far
-    pos = property(lambda self: self.h[2])   # (n,) column of the last sampled token
-    live = property(lambda self: self.h[3])  # (n,) 1 if the slot holds a row that has not ended
-    pad = property(lambda self: self.h[4])   # (n,) columns before the prompt: position = column - pad
+    # views of the rows of `h`: `st.made[free] = 0` writes into h[MADE]
+    row = property(lambda self: self.h[ROW])    # (n,) prompt index held, `spare` when free
+    made = property(lambda self: self.h[MADE])  # (n,) tokens sampled so far
+    pos = property(lambda self: self.h[POS])    # (n,) column of the last sampled token
+    busy = property(lambda self: self.h[BUSY])  # (n,) 1 if the slot holds a row that has not ended
+    pad = property(lambda self: self.h[PAD])    # (n,) columns before the prompt: position = column - pad
 
     @classmethod
     def empty(cls, n: int, spare: int, park: int):
         h = np.zeros((5, n), dtype=np.int64)
-        h[0], h[2] = spare, park
+        h[ROW], h[POS] = spare, park
         return cls(h=h, limit=np.zeros(n, dtype=np.int64), pid=np.full(n, -1), spare=spare, park=park)
 
     def upload(self, device):
@@ -321,17 +389,6 @@ def _new_job(prompts, limits, pad_id, share_prefix, device) -> _Job:
                 logps=torch.zeros((B + 1, T), dtype=torch.float32, device=device),
                 length=np.zeros(B, dtype=np.int64), finished=np.zeros(B, dtype=bool),
                 pad_id=pad_id)
-
-
-def _limits(prompts: list, max_new_tokens) -> np.ndarray:
-    """(B,) max_new_tokens per prompt, checked."""
-    B = len(prompts)
-    one = np.ndim(max_new_tokens) == 0
-    limits = np.full(B, int(max_new_tokens)) if one else np.asarray(list(max_new_tokens), dtype=np.int64)
-    if B == 0 or limits.shape != (B,) or limits.min() < 1 or min(map(len, prompts)) < 1:
-        raise ValueError("generate needs at least one prompt, none empty, and max_new_tokens >= 1 "
-                         "(one int, or one per prompt)")
-    return limits.astype(np.int64)
 
 
 # ----------------------------------------------------------------------------- the steps
@@ -422,18 +479,20 @@ def _refill(model, cache, plan, st: _Slots, job: _Job, counts) -> None:
     """Give the free slots to the next waiting prompts, once enough are free (REFILL_AT)."""
     if not job.queue:
         return
-    free = np.flatnonzero(st.live == 0)[: len(job.queue)]
-    if len(free) < min(math.ceil(REFILL_AT * len(st.live)), len(job.queue)):
+    free = np.flatnonzero(st.busy == 0)[: len(job.queue)]
+    if len(free) < min(math.ceil(REFILL_AT * len(st.busy)), len(job.queue)):
         return
     dev = plan.span.device
     rows = np.array([job.queue.popleft() for _ in free])
     logits, pad = _first_logits(model, cache, plan, st, job, free, rows, counts)  # (N, V), (N,)
     if st.logits is None:
-        st.logits = logits.new_zeros((len(st.live), logits.shape[1]))         # (n, V)
-        st.tok = torch.zeros(len(st.live), dtype=torch.long, device=dev)
+        st.logits = logits.new_zeros((len(st.busy), logits.shape[1]))         # (n, V)
+        st.tok = torch.zeros(len(st.busy), dtype=torch.long, device=dev)
     st.logits[torch.from_numpy(free).to(dev)] = logits
     lens = np.array([len(job.prompts[r]) for r in rows])
-    st.h[:, free] = np.stack([rows, 0 * rows, pad + lens - 1, 0 * rows + 1, pad])  # row, made, pos, live, pad
+    st.row[free], st.pad[free] = rows, pad
+    st.made[free], st.busy[free] = 0, 1
+    st.pos[free] = pad + lens - 1            # the column of the prompt's last token
     st.limit[free], st.pid[free] = job.limits[rows], np.asarray(job.pids)[rows]
     st.upload(dev)
 
@@ -442,17 +501,18 @@ def _retire(st: _Slots, job: _Job, hit: np.ndarray) -> None:
     """Free the slots whose row just ended (a stop id, or its limit). A free slot keeps
     writing, at column `park` (L-1), which no prompt reaches: its first columns keep the
     prompt's K/V, for a later copy of the same prompt."""
-    ended = np.flatnonzero((st.live == 1) & (hit | (st.made >= st.limit)))
+    ended = np.flatnonzero((st.busy == 1) & (hit | (st.made >= st.limit)))
     if len(ended):
         rows = st.row[ended]
         job.length[rows], job.finished[rows] = st.made[ended], hit[ended]
-        st.h[:4, ended] = np.array([st.spare, 0, st.park, 0])[:, None]  # pad kept with the prompt
+        st.row[ended], st.made[ended], st.pos[ended], st.busy[ended] = st.spare, 0, st.park, 0
+        # st.pad is kept: it goes with the prompt's K/V, which the slot keeps
 
 
 def _shrink(cache, st: _Slots, device) -> None:
-    """Drop the free slots (the queue is empty): the live rows' K/V move to the first slots, one
-    layer at a time, so the copy in flight is one layer's live rows, not a second cache."""
-    keep = np.flatnonzero(st.live)
+    """Drop the free slots (the queue is empty): the busy slots' K/V move to the first slots, one
+    layer at a time, so the copy in flight is one layer's busy slots, not a second cache."""
+    keep = np.flatnonzero(st.busy)
     k = torch.from_numpy(keep).to(device)
     for layer in cache.layers:
         layer.keys[: len(keep)] = layer.keys[k]     # (m, H, L, D)
@@ -462,11 +522,12 @@ def _shrink(cache, st: _Slots, device) -> None:
 
 def _decode(model, cache, plan, st: _Slots) -> torch.Tensor:
     """One forward over the batch: every slot feeds its last token at its own column and
-    attends columns [0, W], W the furthest live column; return the (n, V) fp32 next-token logits."""
-    pos, pad = st.dev[2], st.dev[4]                         # (n,) column of the token fed, its pad
-    plan.width = int((st.pos * st.live).max())              # host counters: no sync
-    same = st.live.all() and st.pos.min() == st.pos.max()   # rows admitted together share columns
-    plan.rows, plan.at, plan.col = plan.ids[: len(st.live)], pos, int(st.pos[0]) if same else None
+    attends columns [0, W], W the furthest column of a busy slot; return the (n, V) fp32
+    next-token logits."""
+    pos, pad = st.dev[POS], st.dev[PAD]                     # (n,) column of the token fed, its pad
+    plan.width = int((st.pos * st.busy).max())              # host counters: no sync
+    same = st.busy.all() and st.pos.min() == st.pos.max()   # rows admitted together share columns
+    plan.rows, plan.at, plan.col = plan.ids[: len(st.busy)], pos, int(st.pos[0]) if same else None
     # a row attends its own columns only; a free slot (parked past W) sees finite junk
     cols = plan.span[: plan.width + 1]
     attn = (cols >= pad[:, None]) & (cols <= pos[:, None])  # (n, W+1)
@@ -494,18 +555,20 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     counts = Counter(prefill_rows=0, decode_steps=0)
     while True:
         _refill(model, cache, plan, st, job, counts)
-        if not st.live.any():
+        if not st.busy.any():
             break
         tok, lp = sample_next(st.logits, temperature, top_p, generator)   # (n,)
-        job.tokens[st.dev[0], st.dev[1]], job.logps[st.dev[0], st.dev[1]] = tok, lp
+        at = st.dev[ROW], st.dev[MADE]                                   # (n,) output row and column
+        job.tokens[at], job.logps[at] = tok, lp
         hit = (tok[:, None] == stops).any(-1).cpu().numpy()               # the one host sync of the step
         st.tok = tok
-        st.h[1:3] += st.live                                             # made, pos += live
+        st.h[MADE] += st.busy                                            # a free slot stays put
+        st.h[POS] += st.busy
         _retire(st, job, hit)
         st.upload(dev)
-        if not job.queue and 0 < 2 * st.live.sum() <= len(st.live):
+        if not job.queue and 0 < 2 * st.busy.sum() <= len(st.busy):
             _shrink(cache, st, dev)
-        if st.live.any():
+        if st.busy.any():
             st.logits = _decode(model, cache, plan, st)
             counts["decode_steps"] += 1
     if stats is not None:

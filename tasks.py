@@ -65,6 +65,7 @@ import json
 import os
 import random
 import re
+import sys
 
 # ----------------------------------------------------------------------------------------
 # Record validation
@@ -181,6 +182,29 @@ def load_task(name: str, split: str = "train", n: int | None = None, seed: int =
     if n > len(records):
         raise ValueError(f"{name}/{split} has {len(records)} problems, asked for {n}")
     return random.Random(seed).sample(records, n)
+
+
+def train_and_test(data: str, eval_data: str | None, task: str, eval_problems: int | None,
+                   seed: int = 0) -> tuple:
+    """(train, test) problems of a training run, or ValueError in one line: the train split of
+    `data` shuffled with `seed`, and the test split of `eval_data` (default `data`), a fixed
+    subset of `eval_problems` of it (seed 0) when that is smaller."""
+    kind = task_kind(data)
+    if kind != task:
+        raise ValueError(f"--data {data} is a {kind} data set but --task is {task}")
+    train_set = load_task(data, "train", seed=seed)
+    eval_data = eval_data or data
+    if task_kind(eval_data) != task:
+        raise ValueError(f"--eval-data {eval_data} is not a {task} data set")
+    test_set = load_task(eval_data, "test")
+    if eval_problems and eval_problems < len(test_set):
+        test_set = load_task(eval_data, "test", n=eval_problems, seed=0)
+    if not train_set or not test_set:
+        raise ValueError(f"--data {data}: empty train or test split")
+    if eval_data == data and data.endswith(".jsonl"):
+        print(f"warning: --data {data} is a file, so evaluation runs on the training problems; "
+              "pass --eval-data FILE for a held-out set", file=sys.stderr)
+    return train_set, test_set
 
 
 # ----------------------------------------------------------------------------------------

@@ -9,15 +9,15 @@ Every sampler gets the same model, prompts and sampling settings (temperature, t
 id is one the prompts never hold and the random model (almost) never samples, so a row runs to
 its own limit, and tokens/s counts the tokens the rows asked for (the sum of their limits), the
 same figure for every sampler. Workloads:
-- equal: --slots rows of --equal-new tokens each, all held at once. The reference is today's
-  algorithm before continuous batching (`lockstep_generate` below, the old rollout.generate
-  verbatim); the ratio continuous / lockstep must stay >= 1.
+- equal: --slots rows of --equal-new tokens each, all held at once. The reference is
+  `rollout.generate_simple` (every row of a batch steps together in one DynamicCache); the ratio
+  continuous / lockstep must stay >= 1.
 - realistic: --prompts rows whose limits are drawn from a lognormal (median --median x --new,
   sigma --sigma) capped at --new: most rows short, a few long, like real completions. The KV
   budget holds --slots rows of the longest prompt + --new tokens. Continuous batching (one
-  generate over all rows in that budget) against lockstep batches of --slots rows in input order
-  (the same memory: each batch runs until its longest row ends), and against model.generate in
-  the same batches. Goal on CPU: continuous / lockstep >= 1.5.
+  generate over all rows in that budget) against lockstep batches (generate_simple) of --slots
+  rows in input order (the same memory: each batch runs until its longest row ends), and
+  against model.generate in the same batches. Goal on CPU: continuous / lockstep >= 1.5.
 Each sampler runs once to warm up (its first --slots rows, 8 tokens each), then --repeats times, interleaved, best time kept (these
 machines are shared and noisy; only ratios within one run mean anything). On a CPU device the
 time is the process's CPU time by default (`--clock cpu`; run with OMP_NUM_THREADS=1), which other
@@ -48,64 +48,6 @@ CONFIGS = {  # small shapes, and the published Qwen3 ones (random weights: speed
     "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, vocab_size=151936),
 }
-
-
-# ----------------------------------------------------------------------------- the reference
-
-@torch.no_grad()
-def lockstep_generate(model, prompts, max_new_tokens, stop_ids, pad_id, temperature=1.0, top_p=1.0,
-                      generator=None):
-    """rollout.generate before continuous batching (commit bde6e8e), kept as the reference:
-    every row prefilled (identical prompts once), its cache preallocated to P + T, one step per
-    token for every row until all are done. Returns the (B, T) tokens."""
-    dev = next(model.parameters()).device
-    B, T = len(prompts), max_new_tokens
-    uniq = {}
-    src = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts], device=dev)
-    ids, mask = rollout.left_pad([list(p) for p in uniq], pad_id, dev)  # (B', P)
-    P = ids.shape[1]
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache, ckw = rollout._new_cache(model), rollout._cache_kwarg(model)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                **{ckw: cache})
-    logits, next_pos = out.logits[:, -1].float(), pos[:, -1] + 1
-    if len(uniq) < B:
-        cache.batch_select_indices(src)
-        logits, mask, next_pos = logits[src], mask[src], next_pos[src]
-    _preallocate(cache, P + T)
-    stops = torch.tensor(sorted(set(stop_ids)), device=dev)
-    tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)
-    logps = torch.zeros((B, T), dtype=torch.float32, device=dev)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    attn = torch.cat([mask, torch.ones((B, T), dtype=mask.dtype, device=dev)], 1)  # (B, P+T)
-    for t in range(T):
-        tok, lp = rollout.sample_next(logits, temperature, top_p, generator)
-        tok = tok.masked_fill(done, pad_id)
-        tokens[:, t], logps[:, t] = tok, lp.masked_fill(done, 0.0)
-        done = done | torch.isin(tok, stops)
-        if t == T - 1 or bool(done.all()):
-            break
-        out = model(input_ids=tok[:, None], attention_mask=attn[:, : P + t + 1],
-                    position_ids=(next_pos + t)[:, None], use_cache=True, **{ckw: cache})
-        logits = out.logits[:, -1].float()
-    return tokens
-
-
-def _preallocate(cache, length):
-    """The old in-place cache: each DynamicLayer gets buffers of the final length."""
-    for layer in cache.layers:
-        k, v = layer.keys, layer.values
-        shape = (*k.shape[:-2], length, k.shape[-1])
-        kbuf, vbuf = k.new_empty(shape), v.new_empty(shape)
-        kbuf[..., : k.shape[-2], :], vbuf[..., : v.shape[-2], :] = k, v
-
-        def update(key_states, value_states, *args, _l=layer, _k=kbuf, _v=vbuf, **kwargs):
-            n, m = _l.keys.shape[-2], key_states.shape[-2]
-            _k[..., n : n + m, :], _v[..., n : n + m, :] = key_states, value_states
-            _l.keys, _l.values = _k[..., : n + m, :], _v[..., : n + m, :]
-            return _l.keys, _l.values
-        layer.keys, layer.values = kbuf[..., : k.shape[-2], :], vbuf[..., : v.shape[-2], :]
-        layer.update = update
 
 
 # ----------------------------------------------------------------------------- the workloads
@@ -179,8 +121,8 @@ def samplers(model, args, prompts, limits, slots):
     def lockstep():
         gen = torch.Generator(args.device).manual_seed(1)
         for b in batches:
-            lockstep_generate(model, [prompts[i] for i in b], max(limits[i] for i in b), [stop], 0,
-                              temperature=temp, generator=gen)
+            rollout.generate_simple(model, [prompts[i] for i in b], [limits[i] for i in b], [stop], 0,
+                                    temperature=temp, generator=gen)
 
     def hf():
         for b in batches:

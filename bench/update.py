@@ -22,6 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import dynamics  # noqa: E402
 import grpo  # noqa: E402
 import policies  # noqa: E402
 
@@ -61,10 +62,12 @@ def voting_step(problems, group, uniform, rng, vocab, prompt_len=(40, 80), gen_l
 
 def timed_update(policy, samples, skip, args):
     opts, scheds = grpo.make_optimizers(policy, lr=1e-4, warmup_steps=0, total_steps=10)
+    hp = grpo.Hyper(temperature=0.7, mini_batch=args.problems * args.group, token_budget=args.token_budget,
+                    skip_zero=skip)
+    dyn = dynamics.RoleDynamics(policy)
     t0 = time.perf_counter()
-    out = grpo.update(policy, opts, scheds, samples, temperature=0.7, mini_batch=args.problems * args.group,
-                      token_budget=args.token_budget, generator=torch.Generator().manual_seed(0), skip_zero=skip)
-    return time.perf_counter() - t0, out
+    grpo.update(policy, opts, scheds, samples, hp, shuffle=torch.Generator().manual_seed(0), probe=dyn)
+    return time.perf_counter() - t0, dyn.summary(hp)
 
 
 def main():

@@ -14,6 +14,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import damping  # noqa: E402
+import dynamics  # noqa: E402
 import grpo  # noqa: E402
 import parallel  # noqa: E402
 import policies  # noqa: E402
@@ -69,12 +71,15 @@ def main(out, sharing):
     applied = []   # the gradient of every optimizer step, as it is applied
     for name, o in opts.items():
         def step(*a, _real=o.step, _name=name, **k):
-            applied.append((_name, grpo.flat_grad(pol.parameters_of(_name)).clone()))
+            applied.append((_name, dynamics.flat_grad(pol.parameters_of(_name)).clone()))
             return _real(*a, **k)
         o.step = step
-    damp = grpo.CoherenceDamp({"generator": 0.5}, window=2)
-    stats = [grpo.update(pol, opts, scheds, samples, temperature=0.7, mini_batch=4, token_budget=24,
-                         damp=damp, comm=comm)]
+    damp = damping.CoherenceDamp({"generator": 0.5}, window=2)
+    hp = grpo.Hyper(temperature=0.7, mini_batch=4, token_budget=24)
+    rows = parallel.every_rank_rows(comm, samples) if comm else samples
+    dyn = dynamics.RoleDynamics(pol, comm=comm, damp=damp)
+    grpo.update(pol, opts, scheds, rows, hp, probe=dyn)
+    stats = [dyn.summary(hp)]
     rank = comm.rank if comm else 0
     torch.save({"params": {n: [p.detach().clone() for p in pol.parameters_of(n)] for n in pol.names},
                 "stats": stats, "applied": applied}, os.path.join(out, f"rank{rank}.pt"))

@@ -44,7 +44,8 @@ def test_two_ranks_update_like_one_process(tmp_path, sharing):
     for res in ranks:   # every rank applied the same gradients and holds the same weights as one process
         assert [n for n, _ in res["applied"]] == [n for n, _ in ref["applied"]] and len(ref["applied"]) > 2
         for (_, a), (_, b) in zip(ref["applied"], res["applied"]):
-            assert rel(a, b) < 1e-6
+            # sums over ranks add the per-slot parts in another order: fp32 rounding (measured 1.2e-6)
+            assert rel(a, b) < 1e-5
         for name, params in ref["params"].items():
             assert rel(torch.cat([p.flatten() for p in params]), torch.cat([p.flatten() for p in res["params"][name]])) < 1e-6
     for s_ref, s_two in zip(ref["stats"], ranks[0]["stats"]):

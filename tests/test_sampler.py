@@ -1,4 +1,5 @@
-"""rollout.generate against model.generate, a teacher-forced recompute, and itself."""
+"""rollout.generate against model.generate, the plain rollout.generate_simple, a teacher-forced
+recompute, and itself."""
 import pytest
 import torch
 
@@ -281,3 +282,45 @@ def test_a_short_prompt_with_a_long_limit_is_never_padded_past_its_room():
         assert stats["slots"] == 2 and stats["prefill_rows"] == prefills
         for i, (p, limit) in enumerate(zip(prompts, limits)):
             assert torch.equal(g.tokens[i][g.mask[i]], hf_alone(m, p, limit, [63])), i
+
+
+# ----------------------------------------------------------------------------- the reference sampler
+
+def assert_same_generation(fast, simple):
+    assert torch.equal(fast.tokens, simple.tokens)
+    assert torch.equal(fast.mask, simple.mask) and torch.equal(fast.finished, simple.finished)
+    assert torch.allclose(fast.logprobs, simple.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("build,seed", [(tiny_qwen3, 0), (tiny_qwen3, 5), (tiny_llama, 0)],
+                         ids=["qwen3-0", "qwen3-5", "llama-0"])
+def test_generate_equals_generate_simple_greedy_through_refills(build, seed):
+    m = build(seed=seed)
+    free = rollout.generate_simple(m, MANY, 14, stop_ids=[63], pad_id=PAD, temperature=0)
+    stop = [int(free.tokens[0, 2]), 63]  # row 0 stops at step 2, others when they emit it
+    simple = rollout.generate_simple(m, MANY, LIMITS, stop, PAD, temperature=0)
+    n = simple.mask.sum(1)
+    cut = ~simple.finished
+    assert simple.finished.any() and cut.any()  # rows that hit a stop id and rows cut at their limit
+    assert torch.equal(n[cut], torch.tensor(LIMITS)[cut])
+    assert all(int(simple.tokens[i, n[i] - 1]) in stop for i in simple.finished.nonzero()[:, 0])
+    for rows in (1, 3):  # ten prompts through one or three slots: the slots refill
+        stats = {}
+        fast = rollout.generate(m, MANY, LIMITS, stop, PAD, temperature=0, kv_budget=budget_for(m, rows),
+                                stats=stats)
+        assert stats["slots"] == rows
+        assert_same_generation(fast, simple)
+
+
+def test_generate_simple_is_seeded_and_its_logprobs_equal_teacher_forced_recompute():
+    m = tiny_qwen3(seed=2)
+    a, b = (rollout.generate_simple(m, MANY, LIMITS, STOP, PAD, temperature=0.7,
+                                    generator=torch.Generator().manual_seed(0)) for _ in range(2))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    assert torch.equal(a.mask, b.mask) and torch.equal(a.finished, b.finished)
+    assert a.finished.any() and not a.finished.all()  # pad == a stop id here: the mask tells them apart
+    for i, p in enumerate(MANY):
+        comp = a.tokens[i][a.mask[i]].tolist()
+        assert 1 <= len(comp) <= LIMITS[i]
+        assert torch.allclose(a.logprobs[i][a.mask[i]], teacher_forced_logprobs(m, p, comp, 0.7), atol=1e-5)
+        assert (a.logprobs[i][~a.mask[i]] == 0).all() and (a.tokens[i][~a.mask[i]] == PAD).all()

@@ -8,7 +8,10 @@ import signal
 import pytest
 import torch
 
+import eval as ev
+import flags
 import grpo
+import runfolder
 import toy
 import train
 import workflows
@@ -209,7 +212,7 @@ def test_a_kill_at_any_point_of_a_save_resumes_from_a_complete_checkpoint(model_
     flags = ["--workflow", "single", "--save-every", "2", "--eval-every", "0"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     train.main(argv(model_dir, full, *flags, steps=3))
-    real_replace, real_rmtree, calls = os.replace, train.shutil.rmtree, []
+    real_replace, real_rmtree, calls = os.replace, runfolder.shutil.rmtree, []
 
     def crash_at(kind):
         def wrapped(*a, **k):
@@ -225,7 +228,7 @@ def test_a_kill_at_any_point_of_a_save_resumes_from_a_complete_checkpoint(model_
             return (real_replace if kind == "replace" else real_rmtree)(*a, **k)
         return wrapped
     monkeypatch.setattr(os, "replace", crash_at("replace"))
-    monkeypatch.setattr(train.shutil, "rmtree", crash_at("rmtree"))
+    monkeypatch.setattr(runfolder.shutil, "rmtree", crash_at("rmtree"))
     with pytest.raises(RuntimeError, match="killed at"):
         train.main(argv(model_dir, cut, *flags, steps=3))
     monkeypatch.undo()
@@ -258,7 +261,7 @@ def test_ctrl_c_in_the_step_0_evaluation_leaves_a_clean_state(model_dir, tmp_pat
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(train, "evaluate", interrupted)
+    monkeypatch.setattr(ev, "eval_record", interrupted)
     with pytest.raises(SystemExit) as e:
         train.main(argv(model_dir, out))
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in line]
@@ -292,13 +295,13 @@ def test_a_fresh_toy_cache_and_a_cached_one_start_the_same_adapters(tmp_path, mo
 
 def test_best_counts_the_step_0_evaluation(model_dir, tmp_path, monkeypatch, capsys):
     accs = iter([0.5, 0.2, 0.1])
-    real = train.evaluate
+    real = ev.eval_record
 
-    def fixed(llm, args, problems, step):
-        rec = real(llm, args, problems, step)
+    def fixed(*a, **k):
+        rec = real(*a, **k)
         rec["acc"] = next(accs)
         return rec
-    monkeypatch.setattr(train, "evaluate", fixed)
+    monkeypatch.setattr(ev, "eval_record", fixed)
     out = tmp_path / "run"
     train.main(argv(model_dir, out, "--workflow", "single"))
     assert torch.load(out / "ckpt-best" / "state.pt", weights_only=False)["step"] == 0
@@ -345,11 +348,11 @@ def test_messages_name_the_fix(capsys, tmp_path, monkeypatch):
 
 
 def test_full_isolation_has_its_own_default_lr(tmp_path):
-    toy_lora = train.parse_args(["--out", str(tmp_path / "a")])
-    toy_full = train.parse_args(["--isolation", "full", "--out", str(tmp_path / "b")])
-    assert (toy_lora.lr, toy_full.lr) == (train.LR["lora"][0], train.LR["full"][0]) and toy_full.lr < toy_lora.lr
-    help_text = train.build_parser().format_help()
-    assert f"{train.LR['full'][0]:g} full" in help_text
+    toy_lora = flags.parse_args(["--out", str(tmp_path / "a")])
+    toy_full = flags.parse_args(["--isolation", "full", "--out", str(tmp_path / "b")])
+    assert (toy_lora.lr, toy_full.lr) == (flags.LR["lora"][0], flags.LR["full"][0]) and toy_full.lr < toy_lora.lr
+    help_text = flags.build_parser().format_help()
+    assert f"{flags.LR['full'][0]:g} full" in help_text
 
 
 def coin_rewards(texts, problems, task, **kw):

@@ -1,0 +1,39 @@
+"""Coherence damping: the paper's intervention on a role whose successive gradients keep
+pointing one way (`--coherence-damp ROLE=LAMBDA`, off by default).
+
+At each optimizer step a role's gradient g is scaled by
+
+    s = 1 - LAMBDA * max(0, cos(g, m)),    m <- d m + (1 - d) s g,   d = 1 - 1 / window
+
+where m is an EMA of the role's past (scaled) gradients over `--coherence-window` optimizer
+steps. A gradient that keeps pointing where the role already went is damped; the first step of
+a role (no history) is not, and LAMBDA 0 leaves the update exact. It acts through
+dynamics.RoleDynamics, which hands it each role's part of the step's gradient and rebuilds
+.grad from the scaled parts.
+"""
+from dynamics import cosine
+
+
+class CoherenceDamp:
+    """`damp(role, g) -> (scale, cosine or None)` for this optimizer step's gradient of `role`;
+    updates the role's EMA. Roles without a LAMBDA get (1.0, None)."""
+
+    def __init__(self, lambdas: dict, window: int = 10):
+        if window < 1:
+            raise ValueError("coherence window must be >= 1")
+        self.lambdas, self.decay, self.ema = dict(lambdas), 1.0 - 1.0 / window, {}
+
+    def __call__(self, role: str, g):
+        if role not in self.lambdas:
+            return 1.0, None
+        m = self.ema.get(role)
+        cos = cosine(g, m) if m is not None else None
+        scale = 1.0 - self.lambdas[role] * max(0.0, cos) if cos is not None else 1.0
+        self.ema[role] = g * scale if m is None else m.mul_(self.decay).add_(g, alpha=(1 - self.decay) * scale)
+        return scale, cos
+
+    def state_dict(self) -> dict:
+        return {"ema": {r: m.cpu() for r, m in self.ema.items()}}
+
+    def load_state_dict(self, state: dict, device=None) -> None:
+        self.ema = {r: m.to(device) if device is not None else m for r, m in state["ema"].items()}

@@ -1,0 +1,222 @@
+"""Role-level gradient dynamics of one training step: the numbers the paper explains its results
+with, measured through grpo's Probe seam without an extra backward.
+
+    dyn = RoleDynamics(policy, comm=None, damp=None)
+    grpo.update(policy, optimizers, schedulers, samples, hp, shuffle, probe=dyn)
+    metrics = dyn.summary()          # the step's per-role, per-slot and per-adapter fields
+
+How the parts are read: inside a mini-batch the update runs its micro-batches grouped by role
+and, within a role, by slot, and calls `slot_done` after each slot; the flattened gradient is
+read there, and the difference from the previous reading is that slot's contribution (it
+carries the slot's share of the loss normalisation, so it is not weighted again). Summed over
+the step's mini-batches they give the per-slot and per-role gradients (`grad_norm`); the norm
+of a role's part of each optimizer step gives `grad_norm_opt`, the figure that compares roles
+taking different numbers of steps. Every field: docs/RUNFOLDER.md.
+
+Two things act on an optimizer step's gradient here, in `before_step`, because both need its
+per-(role, slot) parts:
+- data parallelism (`comm`, parallel.py): every part is summed over the ranks and .grad is set
+  to their sum, so every norm, share, cosine and coherence is that of the global gradient;
+- coherence damping (`damp`, damping.py): each role's part is scaled by the damper's factor,
+  and .grad is rebuilt from the scaled parts only when some factor is not 1 (so a factor of 1
+  leaves .grad exactly as the backward left it).
+
+Memory: per slot of an adapter, one fp32 vector the size of the adapter for the mini-batch and
+one for the step, plus two readings of the gradient, held while that adapter's mini-batches
+run. For LoRA rank 64 on Qwen3-4B an adapter is ~130M numbers (~0.5 GB), so Voting under
+shared holds ~5 GB; with --isolation full they are the size of the model, which is why full
+copies are for small models only.
+"""
+from collections import defaultdict
+
+import torch
+
+import grpo
+
+
+def flat_grad(params) -> torch.Tensor:
+    """(N,) fp32 concatenation of the parameters' gradients (zeros where there is none)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                      for p in params])
+
+
+def set_flat_grad(params, vec) -> None:
+    """Write the (N,) vector back into the parameters' .grad, in flat_grad's order."""
+    k = 0
+    for p in params:
+        n = p.numel()
+        p.grad = vec[k:k + n].view_as(p).to(p.dtype).clone()
+        k += n
+
+
+def cosine(a, b):
+    """cos(a, b) as a float, None when either is zero."""
+    na, nb = float(a.norm()), float(b.norm())
+    return None if na == 0 or nb == 0 else float(a @ b) / (na * nb)
+
+
+class RoleDynamics(grpo.Probe):
+    """Per-role and per-slot gradient norms, shares, cosines and coherence of one step, and the
+    token statistics of the objective; `summary()` gives them as the step's metrics."""
+
+    def __init__(self, policy, comm=None, damp=None):
+        self.policy, self.comm, self.damp = policy, comm, damp
+        self.stats = defaultdict(float)        # (role, field) -> token counts and sums
+        self.opt_norms = defaultdict(list)     # role -> norm of its part of each optimizer step
+        self.damp_log = defaultdict(list)      # role -> (cosine, scale) per optimizer step
+        self.opt_steps = defaultdict(int)      # role -> optimizer steps whose mini-batch held it
+        self.role_norm, self.slot_norm, self.adapters = {}, {}, {}
+        self.coherence, self.slot_cos, self.cos_roles = {}, {}, {}
+        self.parts, self.step_parts = {}, {}   # (role, slot) -> contribution: mini-batch, step
+        self.last = None                       # the gradient read after the previous slot
+        self.norms = []                        # pre-clip norm of each of the adapter's steps
+
+    # ------------------------------------------------------------------ the hooks
+
+    def begin(self, samples, runs, old, ent):
+        self.samples, self.runs, self.old, self.ent = samples, runs, old, ent
+
+    def tokens(self, role, mask, ratio, clipped, k3):
+        with torch.no_grad():
+            self.stats[role, "tokens"] += float(mask.sum())
+            self.stats[role, "clipped"] += float(clipped.sum())
+            self.stats[role, "ratio"] += float((ratio * mask).sum())
+            if k3 is not None:
+                self.stats[role, "kl"] += float((k3 * mask).sum())
+
+    def slot_done(self, name, role, slot, params):
+        now = flat_grad(params)                  # (N,) the mini-batch's gradient so far
+        self.parts[role, slot] = now if self.last is None else now - self.last
+        self.last = now
+
+    def before_step(self, name, params):
+        parts, self.parts, self.last = self.parts, {}, None
+        if self.comm:
+            import parallel
+            parts = parallel.reduce_parts(self.comm, parts, params)   # .grad = the global sum
+        scales = {}
+        for role, g in self._by_role(parts).items():
+            self.opt_norms[role].append(float(g.norm()))              # before damping and clipping
+            self.opt_steps[role] += 1
+            if self.damp is not None:
+                scales[role], cos = self.damp(role, g)
+                if cos is not None:
+                    self.damp_log[role].append((cos, scales[role]))
+        if any(s != 1.0 for s in scales.values()):   # only then rebuild: scale 1 keeps .grad exact
+            set_flat_grad(params, sum(v * scales.get(role, 1.0) for (role, _), v in parts.items()))
+        for k, v in parts.items():
+            self.step_parts[k] = self.step_parts[k].add_(v) if k in self.step_parts else v
+
+    def after_step(self, name, norm):
+        self.norms.append(norm)
+
+    def adapter_done(self, name, rows, lr):
+        n = len(self.norms)
+        self.adapters[name] = {"n": rows, "opt_steps": n, "grad_norm": sum(self.norms) / n if n else 0.0, "lr": lr}
+        self._reduce(self.step_parts)
+        self.step_parts, self.norms = {}, []
+
+    # ------------------------------------------------------------------ reductions
+
+    @staticmethod
+    def _by_role(parts) -> dict:
+        """{role: the sum of its slots' parts}."""
+        by_role = defaultdict(list)
+        for (role, _), v in parts.items():
+            by_role[role].append(v)
+        return {role: torch.stack(vs).sum(0) if len(vs) > 1 else vs[0] for role, vs in by_role.items()}
+
+    def _reduce(self, parts) -> None:
+        """Per-role and per-slot norms, slot cosines, coherence and role cosines of one adapter's
+        step contributions, as floats (the vectors are freed after)."""
+        roles_here = sorted({r for r, _ in parts}, key=self.policy.roles.index)
+        rvec = {}
+        for role in roles_here:
+            keys = sorted(k for k in parts if k[0] == role)
+            rvec[role] = sum(parts[k] for k in keys)
+            self.role_norm[role] = float(rvec[role].norm())
+            for k in keys:
+                self.slot_norm[k[1]] = float(parts[k].norm())
+            if len(keys) > 1:
+                total = sum(self.slot_norm[k[1]] for k in keys)
+                if total > 0:
+                    self.coherence[role] = self.role_norm[role] / total
+                pairs = {f"{a[1]}|{b[1]}": cosine(parts[a], parts[b]) for i, a in enumerate(keys) for b in keys[i + 1:]}
+                self.slot_cos[role] = {k: c for k, c in pairs.items() if c is not None}
+        for i, a in enumerate(roles_here):
+            for b in roles_here[i + 1:]:
+                c = cosine(rvec[a], rvec[b])
+                if c is not None:
+                    self.cos_roles[f"{a}|{b}"] = c
+
+    # ------------------------------------------------------------------ the step's metrics
+
+    TOKEN_SUMS = ("skipped", "ent", "ent_n", "gap", "gap_n", "tokens", "clipped", "ratio", "kl")
+
+    def _token_sums(self, idx, role) -> list:
+        """One role's additive numbers over the rows that ran here, in TOKEN_SUMS order."""
+        s, old, ent = self.samples, self.old, self.ent
+        ran = [i for i in idx if self.runs[i]]
+        gap = gap_n = 0.0
+        for i in ran:
+            sl = s[i].sampler_logprobs
+            if len(sl) == len(s[i].completion_ids):  # skip rows without sampler logprobs
+                gap += float((torch.tensor(sl, device=old[i].device) - old[i]).abs().sum())
+                gap_n += len(sl)
+        return [sum(s[i].here for i in idx) - len(ran), float(sum(ent[i].sum() for i in ran)),
+                sum(len(ent[i]) for i in ran), gap, gap_n,
+                *(self.stats[role, k] for k in ("tokens", "clipped", "ratio", "kl"))]
+
+    def _role_summary(self, idx, t: dict, role, total_norm, kl: bool) -> dict:
+        """The role's metrics; a token statistic of a role none of whose rows ran (every
+        advantage 0) is None, not 0."""
+        s = self.samples
+        n, tok = len(idx), t["tokens"] or None
+        norm, opt = self.role_norm.get(role, 0.0), self.opt_norms.get(role, [])
+        r = {"n": n, "len": sum(len(s[i].completion_ids) for i in idx) / n, "skipped": int(t["skipped"]),
+             "trunc_frac": sum(not s[i].finished for i in idx) / n,
+             "grad_norm": norm, "grad_share": norm / total_norm if total_norm > 0 else 0.0,
+             "grad_norm_opt": sum(opt) / len(opt) if opt else 0.0, "grad_norm_opt_max": max(opt, default=0.0),
+             "clip_frac": tok and t["clipped"] / tok, "ratio_mean": tok and t["ratio"] / tok,
+             "entropy": t["ent"] / t["ent_n"] if t["ent_n"] else None,
+             "logprob_gap": t["gap"] / t["gap_n"] if t["gap_n"] else None, "opt_steps": self.opt_steps[role]}
+        if kl:
+            r["kl"] = tok and t["kl"] / tok
+        if self.damp_log.get(role):
+            r["damp_cos"] = sum(c for c, _ in self.damp_log[role]) / len(self.damp_log[role])
+            r["damp_scale"] = sum(x for _, x in self.damp_log[role]) / len(self.damp_log[role])
+        return r
+
+    def summary(self, hp=None) -> dict:
+        """The step's metrics (every field is described in docs/RUNFOLDER.md): per role n, len,
+        skipped, trunc_frac, grad_norm, grad_share, grad_norm_opt / _max, clip_frac,
+        ratio_mean, entropy, logprob_gap, opt_steps, kl (when the grpo.Hyper `hp` gives the
+        role a KL coefficient), damp_cos /
+        damp_scale (with damping); per slot n, len, grad_norm; dominant_role, cos_roles,
+        slot_cos, coherence; adapters {name: {n, opt_steps, grad_norm, lr}}; lr. Under data
+        parallelism every count and sum is over all ranks."""
+        samples, roles = self.samples, self.policy.roles
+        idx = {role: [i for i, s in enumerate(samples) if s.role == role] for role in roles}
+        sums = [self._token_sums(idx[role], role) for role in roles]
+        if self.comm:   # one collective for every token statistic of the step
+            flat = self.comm.sum([x for r in sums for x in r])
+            k = len(self.TOKEN_SUMS)
+            sums = [flat[j * k:(j + 1) * k] for j in range(len(roles))]
+        total_norm = sum(self.role_norm.values())
+        out_roles = {role: self._role_summary(idx[role], dict(zip(self.TOKEN_SUMS, t)), role, total_norm,
+                                              bool(hp and hp.kl(role)))
+                     for role, t in zip(roles, sums) if idx[role]}
+        slots = list(dict.fromkeys(s.slot for s in samples))
+        out = {"roles": out_roles, "adapters": self.adapters,
+               "slots": {k: {"n": n, "len": sum(len(s.completion_ids) for s in samples if s.slot == k) / n,
+                             "grad_norm": self.slot_norm.get(k, 0.0)}
+                         for k in slots if (n := sum(s.slot == k for s in samples))},
+               "lr": next(iter(self.adapters.values()))["lr"] if self.adapters else 0.0}
+        if total_norm > 0:
+            out["dominant_role"] = max(out_roles, key=lambda r: out_roles[r]["grad_share"])
+        for key in ("cos_roles", "coherence"):
+            if getattr(self, key):
+                out[key] = getattr(self, key)
+        if any(self.slot_cos.values()):
+            out["slot_cos"] = {k: v for k, v in self.slot_cos.items() if v}
+        return out

@@ -1,0 +1,240 @@
+"""The flags of train.py: one flat argparse namespace in titled groups, the defaults that
+depend on the scale, and the checks that turn bad input into one line and exit 2 before
+anything loads.
+
+    args = flags.parse_args(argv)     # resolved: every default filled, every invariant checked
+    hp = flags.hyper(args)            # the grpo.Hyper of the update
+
+`--help` shows every default, with both columns where it depends on the scale (`--scale
+toy` or a real model). On `--resume RUN` the run's saved config.json wins, except for the
+flags in RESUMABLE.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+# (toy value, paper value) of every flag whose default depends on the scale (None: all of the
+# test split); the length limits come from tasks.length_limits, the lr also from --isolation
+SCALE_DEFAULTS = {
+    "problems_per_step": (16, 64), "group_size": (8, 8), "steps": (100, 500),
+    "warmup_steps": (5, 15), "lora_rank": (16, 64), "lora_alpha": (32, 32), "eval_every": (20, 5),
+    "eval_problems": (512, None), "token_budget": (16384, 16384),
+}
+# (toy, paper scale) learning rate per kind of trainable weights: LoRA takes the paper's 2e-5
+# at real scales and 1e-3 in the toy world; full copies of the model move every weight, so they
+# take a lower rate (the toy value was chosen by a short lr scan, README "Forking"; 1e-6 is the
+# usual full-parameter GRPO rate at real scales)
+LR = {"lora": (1e-3, 2e-5), "full": (1e-4, 1e-6)}
+# flags that may change on --resume: the rest of the saved configuration wins
+RESUMABLE = ("resume", "steps", "device", "quiet", "log_to", "kv_budget_gb")
+
+
+def scale_default(name):
+    toy, paper = SCALE_DEFAULTS[name]
+    return f" (default: {toy} at --scale toy, {paper if paper is not None else 'all of the test split'} otherwise)"
+
+
+def _per_task(d):
+    return ", ".join(f"{v} {k}" for k, v in d.items())
+
+
+def build_parser(description=None):
+    """The flat flag list, in groups that --help shows under their titles."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _what_flags(ap.add_argument_group("what to train"))
+    _rollout_flags(ap.add_argument_group("rollout (rollout.py)"))
+    _optimisation_flags(ap.add_argument_group("optimisation (grpo.py)"))
+    _logging_flags(ap.add_argument_group("evaluation and logging"))
+    _run_flags(ap.add_argument_group("the run"))
+    return ap
+
+
+def _what_flags(g):
+    import workflows  # torch-free: the registry gives the workflow choices
+    g.add_argument("--workflow", default="voting", choices=sorted(workflows.WORKFLOWS),
+                    help="multi-agent workflow (single = one-call control) (default: %(default)s)")
+    g.add_argument("--task", default="math", choices=workflows.TASKS, help="task kind (default: %(default)s)")
+    g.add_argument("--data", default=None, help="data set name (tasks.py) or a .jsonl file "
+                   "(default: toy_math/toy_code at --scale toy, dapo_math/deepcoder otherwise)")
+    g.add_argument("--eval-data", default=None, help="held-out data set or .jsonl file "
+                   "(default: the test split of --data; a .jsonl --data has none, so pass one)")
+    g.add_argument("--scale", default="toy", help="toy, 0.6b, 1.7b, 4b, or a local model folder (default: %(default)s)")
+    g.add_argument("--sharing", default="shared", choices=["shared", "isolated"],
+                    help="shared: one set of trainable weights for all roles; isolated: one per role (default: %(default)s)")
+    g.add_argument("--isolation", default="lora", choices=["lora", "full"],
+                    help="what a role's weights are: a LoRA adapter, or a full copy of the model (default: %(default)s)")
+
+
+def _rollout_flags(g):
+    import tasks
+    import toy
+    g.add_argument("--problems-per-step", type=int, default=None, help="problems per training step" + scale_default("problems_per_step"))
+    g.add_argument("--group-size", type=int, default=None, help="rollouts per problem (G)" + scale_default("group_size"))
+    g.add_argument("--temperature", type=float, default=0.7, help="sampling temperature, training and evaluation (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="completion limit per call (default: %d at --scale "
+                   "toy, the paper's %s otherwise)" % (toy.MAX_NEW_TOKENS, _per_task(tasks.MAX_NEW_TOKENS)))
+    g.add_argument("--max-prompt-tokens", type=int, default=None, help="hard prompt limit per call: a longer prompt "
+                   "keeps its end, losing the instruction and problem first, so it is a last resort (default: "
+                   "%d at --scale toy, none otherwise: --max-embed-tokens bounds the long prompts)" % toy.MAX_PROMPT_TOKENS)
+    g.add_argument("--max-embed-tokens", type=int, default=None, help="an earlier call's text (a solution, an "
+                   "attempt) embedded in a later prompt keeps at most this many tokens, its head and tail "
+                   "(default: none at --scale toy, %d otherwise)" % tasks.MAX_EMBED_TOKENS)
+    g.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache a generate call may hold, GiB (default: "
+                   "half of the GPU memory left free after loading on CUDA, 4 on CPU; printed at start)")
+    g.add_argument("--max-rows", type=int, default=None, help="most rows decoded at once (default: as many as the KV budget holds)")
+
+
+def _optimisation_flags(g):
+    g.add_argument("--steps", type=int, default=None, help="training steps" + scale_default("steps"))
+    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: %g LoRA / %g full at --scale "
+                   "toy, %g LoRA / %g full otherwise)" % (*LR["lora"][:1], *LR["full"][:1], LR["lora"][1], LR["full"][1]))
+    g.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up, then cosine to 0" + scale_default("warmup_steps"))
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: %(default)s)")
+    g.add_argument("--mini-batch", type=int, default=None, help="sequences per optimizer step (default: problems-per-step x group-size, the paper's 512)")
+    g.add_argument("--token-budget", type=int, default=None, help="rows x padded length per micro-batch" + scale_default("token_budget"))
+    g.add_argument("--grad-checkpointing", default="auto", choices=["auto", "on", "off"],
+                    help="recompute each layer in the backward instead of keeping its activations (auto: on at real scales) (default: %(default)s)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping per optimizer step (default: %(default)s)")
+    g.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below 1 (default: %(default)s)")
+    g.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above 1, clip-higher (default: %(default)s)")
+    g.add_argument("--clip-c", type=float, default=3.0, help="dual clip for negative advantages (default: %(default)s)")
+    g.add_argument("--loss-norm", default="seq", choices=["seq", "token"], help="seq: mean of per-sequence token means (paper); token: mean over all tokens (default: %(default)s)")
+    g.add_argument("--adv-group", default="slot", choices=["slot", "role"], help="advantage groups: (problem, slot) as the paper, or (problem, role) (default: %(default)s)")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-base coefficient for every role, k3 estimator (default: %(default)s, as the paper)")
+    g.add_argument("--kl-coef-role", action="append", default=[], metavar="ROLE=VALUE", help="per-role KL coefficient, repeatable")
+    g.add_argument("--coherence-damp", action="append", default=[], metavar="ROLE=LAMBDA",
+                    help="scale a role's gradient by 1 - LAMBDA max(0, cos(g, EMA of its past gradients)) at each optimizer step, repeatable")
+    g.add_argument("--coherence-window", type=int, default=10, help="EMA window of --coherence-damp, optimizer steps (default: %(default)s)")
+    g.add_argument("--lora-rank", type=int, default=None, help="LoRA rank" + scale_default("lora_rank"))
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha" + scale_default("lora_alpha"))
+
+
+def _logging_flags(g):
+    g.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (0: only at start and end)" + scale_default("eval_every"))
+    g.add_argument("--eval-problems", type=int, default=None, help="held-out problems per evaluation" + scale_default("eval_problems"))
+    g.add_argument("--samples-every", type=int, default=10, help="write transcripts of 2 episodes every N steps (0: never) (default: %(default)s)")
+    g.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (0: only at the end) (default: %(default)s)")
+    g.add_argument("--log-to", default="none", choices=["none", "wandb", "tensorboard"],
+                    help="also send every metric to an experiment tracker (tracking.py) (default: %(default)s)")
+
+
+def _run_flags(g):
+    g.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: %(default)s)")
+    g.add_argument("--out", default=None, help="run folder (default: runs/WORKFLOW-TASK-SHARING-SCALE-sSEED)")
+    g.add_argument("--resume", default=None, metavar="RUN", help="continue the run in this folder with its saved configuration")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="base model dtype (default: bfloat16 on GPU, float32 on CPU)")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def parse_args(argv=None, description=None):
+    """The resolved flags of train.py; `description` heads --help."""
+    ap = build_parser(description)
+    args = ap.parse_args(argv)
+    return resume_args(ap, args) if args.resume else resolve_args(ap, args)
+
+
+def resume_args(ap, args):
+    """The saved configuration, with the few flags that may change on resume; say in one line
+    which other given flags are ignored."""
+    path = os.path.join(args.resume, "config.json")
+    if not os.path.isfile(path):
+        ap.error(f"--resume {args.resume}: no config.json there, so it is not a run folder")
+    with open(path) as f:
+        saved = json.load(f)
+    given = {a.dest: getattr(args, a.dest) for a in ap._actions
+             if a.dest != "help" and getattr(args, a.dest) != a.default}
+    for k in ("kl_coef_role", "coherence_damp"):  # saved as {ROLE: value}
+        if k in given:
+            given[k] = {r: float(v) for r, _, v in (x.partition("=") for x in given[k])}
+    ignored = [f"--{k.replace('_', '-')} {v} (saved {saved.get(k)})" for k, v in given.items()
+               if k not in RESUMABLE and k != "out" and saved.get(k) != v]
+    if ignored:
+        print(f"warning: on --resume the saved configuration wins; ignored: {', '.join(ignored)}", file=sys.stderr)
+    keep = {k: v for k, v in vars(args).items() if k in RESUMABLE and (k in given or k not in saved)}
+    args = argparse.Namespace(**{**saved, **keep})
+    args.out = args.resume
+    return args
+
+
+def _pairs(ap, items, flag, roles, workflow):
+    """{ROLE: float} from repeatable ROLE=VALUE flags, every role one of the workflow's."""
+    out = {}
+    for item in items:
+        role, _, value = item.partition("=")
+        try:
+            out[role] = float(value)
+        except ValueError:
+            ap.error(f"{flag} {item!r}: expected ROLE=VALUE with a number")
+        if role not in roles:
+            ap.error(f"{flag} {role}: not a role of {workflow} ({', '.join(roles)})")
+    return out
+
+
+def resolve_args(ap, args):
+    """Fill every default that depends on the scale, task or isolation; check invariants."""
+    import tasks
+    import workflows
+    real = 1 if args.scale != "toy" else 0
+    for name in SCALE_DEFAULTS:
+        if getattr(args, name) is None:
+            setattr(args, name, SCALE_DEFAULTS[name][real])
+    args.lr = LR[args.isolation][real] if args.lr is None else args.lr
+    default_new, default_prompt, default_embed = tasks.length_limits(args.scale, args.task)
+    args.max_new_tokens = args.max_new_tokens or default_new
+    args.max_prompt_tokens = args.max_prompt_tokens or default_prompt
+    args.max_embed_tokens = args.max_embed_tokens or default_embed
+    args.data = args.data or tasks.default_data(args.scale, args.task)
+    args.mini_batch = args.mini_batch or args.problems_per_step * args.group_size
+    roles = workflows.ROLES[args.workflow]
+    args.kl_coef_role = _pairs(ap, args.kl_coef_role, "--kl-coef-role", roles, args.workflow)
+    args.coherence_damp = _pairs(ap, args.coherence_damp, "--coherence-damp", roles, args.workflow)
+    args.out = args.out or os.path.join("runs", f"{args.workflow}-{args.task}-{args.sharing}-"
+                                        f"{os.path.basename(os.path.normpath(args.scale))}-s{args.seed}")
+    check_args(ap, args)
+    return args
+
+
+def check_args(ap, args):
+    import policies
+    for name in ("problems_per_step", "group_size", "steps", "mini_batch", "max_new_tokens", "token_budget",
+                 "coherence_window"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("eval_every", "samples_every", "save_every"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0")
+    if args.temperature < 0:
+        ap.error("--temperature must be >= 0")
+    if not 0 < args.top_p <= 1:
+        ap.error("--top-p must be in (0, 1]")
+    package = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(args.log_to)
+    if package and importlib.util.find_spec(package) is None:  # before minutes of model loading
+        ap.error(f"--log-to {args.log_to} needs the {package} package: pip install {package}")
+    if args.kv_budget_gb is not None and args.kv_budget_gb <= 0:
+        ap.error("--kv-budget-gb must be > 0")
+    if any(not 0 <= v <= 1 for v in args.coherence_damp.values()):
+        ap.error("--coherence-damp LAMBDA must be in [0, 1]")
+    if args.scale == "toy":
+        for flag, data in (("--data", args.data), ("--eval-data", args.eval_data)):
+            if data and data not in ("toy_math", "toy_code"):
+                ap.error(f"{flag} {data}: the toy model and its character tokenizer only know the toy tasks "
+                         f"(toy_math, toy_code); for real data pass a real model, e.g. --scale 0.6b or a model folder")
+    try:
+        policies.check_scale(args.scale)
+    except ValueError as e:
+        ap.error(str(e))
+    if os.path.exists(os.path.join(args.out, "config.json")):
+        ap.error(f"run folder {args.out} exists; pass --resume {args.out} to continue it or --out to start anew")
+
+
+def hyper(args):
+    """The update's hyper-parameters (grpo.Hyper) from the flags of the same names."""
+    import dataclasses
+
+    import grpo
+    return grpo.Hyper(**{f.name: getattr(args, f.name) for f in dataclasses.fields(grpo.Hyper)
+                         if f.name != "skip_zero"})

@@ -1,0 +1,256 @@
+"""The run folder: what a training run writes, and how a stopped or killed run continues.
+
+Files (every field: docs/RUNFOLDER.md): config.json, metrics.jsonl (one object per step),
+eval.jsonl, samples.jsonl (transcripts), ckpt-last/ and ckpt-best/ (adapters in PEFT layout +
+optimizer, scheduler and RNG states), and `done` at the end. Rank 0 alone writes them.
+
+- A save is recoverable at every instant: write FOLDER.tmp (state.pt last, itself through a
+  rename), move FOLDER aside to FOLDER.old, move FOLDER.tmp in, delete FOLDER.old
+  (`save_checkpoint`, `publish`); `find_checkpoint` finishes whichever save a kill left.
+- `open_run` on --resume restores the newest complete checkpoint and drops every log record
+  after its step (`truncate_jsonl`), so with the same seed a resumed run logs exactly what an
+  uninterrupted one would have (the problems of step k and every RNG state are restored, not
+  re-drawn).
+"""
+import json
+import os
+import shutil
+import sys
+import time
+
+FILES = ("metrics", "eval", "samples")
+
+
+def files(out: str) -> dict:
+    """{name: path} of the run's JSONL logs."""
+    return {k: os.path.join(out, f"{k}.jsonl") for k in FILES}
+
+
+def fail(msg):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ----------------------------------------------------------------------------- logs
+
+def log_jsonl(path, record):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path):
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_jsonl(path, last_step):
+    """Drop records after `last_step` (logged after the checkpoint a resume starts from). A run
+    killed mid-append leaves a torn line that does not parse: it is dropped, and said so."""
+    if not os.path.isfile(path):
+        return
+    keep = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                step = json.loads(line).get("step", 0)
+            except (json.JSONDecodeError, AttributeError):
+                print(f"resume: dropped a torn line {os.path.basename(path)}:{n}", file=sys.stderr)
+                continue
+            if step <= last_step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+    with open(path, "w") as f:
+        f.writelines(keep)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def save_checkpoint(policy, optimizers, schedulers, state, folder):
+    """Adapters (PEFT layout) + optimizer, scheduler and RNG states, recoverable at every
+    instant: write FOLDER.tmp (state.pt last, itself via a rename), move FOLDER aside to
+    FOLDER.old, move FOLDER.tmp in, delete FOLDER.old. find_checkpoint reads whichever
+    complete one a kill left."""
+    import torch
+    tmp = folder + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save(tmp)
+    torch.save({"optimizers": {k: o.state_dict() for k, o in optimizers.items()},
+                "schedulers": {k: s.state_dict() for k, s in schedulers.items()}, **state},
+               os.path.join(tmp, "state.pt.part"))
+    os.replace(os.path.join(tmp, "state.pt.part"), os.path.join(tmp, "state.pt"))
+    publish(tmp, folder)
+
+
+def publish(new, folder):
+    """Put the complete checkpoint `new` at `folder`: the old one aside, the new one in, the
+    old one deleted. Killed at any point, `folder` or FOLDER.old still holds a checkpoint."""
+    old = folder + ".old"
+    if os.path.isdir(folder):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
+    os.replace(new, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def find_checkpoint(out, name="ckpt-last"):
+    """(folder, step) of the newest complete checkpoint among NAME, NAME.tmp and NAME.old (a
+    save killed midway leaves one of them), published as NAME; (None, None) if there is none."""
+    import torch
+    target, best = os.path.join(out, name), (None, None)
+    for folder in (target, target + ".tmp", target + ".old"):  # on a tie the first wins
+        if os.path.isfile(os.path.join(folder, "state.pt")):   # state.pt is written last
+            step = torch.load(os.path.join(folder, "state.pt"), weights_only=False)["step"]
+            if best[1] is None or step > best[1]:
+                best = (folder, step)
+    folder, step = best
+    if folder is not None and folder != target:  # finish the save that was interrupted
+        print(f"resume: {name} was left mid-save; using {os.path.basename(folder)} (step {step})")
+        if os.path.isdir(target) and not os.path.isfile(os.path.join(target, "state.pt")):
+            shutil.rmtree(target)                               # an incomplete copy
+        if folder.endswith(".tmp"):
+            publish(folder, target)
+        else:                                                   # .old: nothing newer exists
+            os.replace(folder, target)
+    for suffix in (".tmp", ".old"):
+        shutil.rmtree(target + suffix, ignore_errors=True)
+    return (target, step) if folder is not None else (None, None)
+
+
+# ----------------------------------------------------------------------------- a run's state
+
+def open_run(run):
+    """Resume from the newest complete checkpoint, or start the run folder afresh. Rank 0
+    alone touches the files; every rank then loads the same checkpoint."""
+    args = run.args
+    ck = step = None
+    if run.main:
+        if not os.path.isdir(args.out):
+            run.created.append(args.out)
+        os.makedirs(args.out, exist_ok=True)
+        if args.resume:
+            ck, step = find_checkpoint(args.out)
+            find_checkpoint(args.out, "ckpt-best")
+            for f in run.files.values():
+                truncate_jsonl(f, step if ck else -1)
+            print(f"resumed {args.out} at step {step} from {os.path.basename(ck)}" if ck else
+                  f"resume: {args.out} has no complete checkpoint; starting it over")
+        path = os.path.join(args.out, "config.json")
+        if not os.path.isfile(path):
+            run.created.append(path)
+        with open(path, "w") as f:
+            json.dump(vars(args), f, indent=2)
+        print("config: " + json.dumps(vars(args)))
+    if run.comm:
+        ck, step = run.comm.gather((ck, step))[0]
+    if ck is not None:
+        restore(run, ck, step)
+
+
+def restore(run, ck, step):
+    """Adapters, optimizer and scheduler states, RNG states (this rank's) and the damping EMA."""
+    import torch
+    run.policy.load_adapters(ck)
+    st = torch.load(os.path.join(ck, "state.pt"), weights_only=False)
+    for k in run.optimizers:
+        run.optimizers[k].load_state_dict(st["optimizers"][k])
+        run.schedulers[k].load_state_dict(st["schedulers"][k])
+    world = run.comm.world if run.comm else 1
+    ranks = st.get("ranks", [{"gen": st["gen"], "shuffle": st["shuffle"]}])
+    if len(ranks) != world:
+        fail(f"--resume: the run was saved by {len(ranks)} processes; resume it with as many (now {world})")
+    mine = ranks[run.comm.rank if run.comm else 0]
+    run.gen.set_state(mine["gen"])
+    run.shuffle.set_state(mine["shuffle"])
+    if run.damp is not None:
+        run.damp.load_state_dict(st["damp"], device=run.policy.model.device)
+    run.start, run.best = step, st["best"]
+    accs = [r["acc"] for r in read_jsonl(run.files["eval"])]
+    run.last_acc = accs[-1] if accs else None
+
+
+def checkpoint(run, step, name="ckpt-last"):
+    """Rank 0 saves; the RNG states of every rank go with it (every rank must call this)."""
+    mine = {"gen": run.gen.get_state(), "shuffle": run.shuffle.get_state()}
+    ranks = run.comm.gather(mine) if run.comm else [mine]
+    if not run.main:
+        return
+    state = {"step": step, "best": run.best, **ranks[0], "ranks": ranks}
+    if run.damp is not None:
+        state["damp"] = run.damp.state_dict()
+    save_checkpoint(run.policy, run.optimizers, run.schedulers, state, os.path.join(run.args.out, name))
+
+
+def remove_fresh(run):
+    """Undo a run stopped in its step-0 evaluation: only that attempt wrote the logs, so they
+    go, with ckpt-best and every file and folder this process created."""
+    for path in [*run.files.values(), os.path.join(run.args.out, "ckpt-best"), *reversed(run.created)]:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.isfile(path):
+            os.remove(path)
+
+
+def mark_done(out):
+    """The empty `done` file, written last: the run finished."""
+    open(os.path.join(out, "done"), "w").close()
+
+
+# ----------------------------------------------------------------------------- a step's records
+
+def log_transcripts(path, step, episodes, samples):
+    """Every call of a few episodes, with its reward and advantage."""
+    adv = {(s.problem_id, s.rollout, s.call): s.advantage for s in samples}
+    for e in episodes:
+        for i, c in enumerate(e.calls):
+            log_jsonl(path, {"step": step, "problem_id": e.problem_id, "episode": e.rollout, "role": c.role,
+                             "slot": c.slot, "prompt": c.messages[-1]["content"], "completion": c.text,
+                             "reward": e.reward, "advantage": adv.get((e.problem_id, e.rollout, i))})
+
+
+def step_record(run, step, episodes, stats, times):
+    """The metrics.jsonl object of one step (sums over every rank's episodes)."""
+    roles = run.policy.roles
+    local = [sum(e.reward for e in episodes), len(episodes), sum(len(c.completion_ids) for e in episodes for c in e.calls),
+             *(sum(c.role == r for e in episodes for c in e.calls) for r in roles),
+             *(sum(e.fallbacks.get(r, 0) for e in episodes) for r in roles)]
+    reward, n, tokens, *rest = run.comm.sum(local) if run.comm else local
+    calls, fallbacks = rest[:len(roles)], rest[len(roles):]
+    for r, q in stats["roles"].items():
+        q["fallback_rate"] = fallbacks[roles.index(r)] / max(1, calls[roles.index(r)])
+    rollout_s = run.comm.sum(times[1] - times[0]) / run.comm.world if run.comm else times[1] - times[0]
+    m = {"step": step, "reward": reward / n, "lr": run.schedulers[run.policy.names[0]].get_last_lr()[0], **stats,
+         "time": {"rollout": times[1] - times[0], "score": times[2] - times[1],
+                  "update": times[3] - times[2], "step": time.time() - times[0]},
+         "tokens_per_s": tokens / max(rollout_s, 1e-9)}
+    device = run.policy.model.device
+    if device.type == "cuda":  # this rank's peak this step (reset at the start of the next)
+        import torch
+        m["cuda_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+    return m
+
+
+def step_line(step, steps, m, last_acc):
+    """The console line of a step: its vital signs, one fixed format."""
+    roles = m["roles"]
+    short = {r: r[:3] for r in roles}
+    fmt = lambda key, f: " ".join(f"{short[r]} {roles[r].get(key, 0):{f}}" for r in roles)  # noqa: E731
+    acc = "  -  " if last_acc is None else f"{last_acc:.3f}"
+    return (f"step {step:4d}/{steps} | reward {m['reward']:.3f} | eval {acc} | len {fmt('len', '.1f')} | "
+            f"clip {max((q.get('clip_frac') or 0 for q in roles.values()), default=0):.3f} | "
+            f"gnorm {fmt('grad_norm', '.3f')} | {m['tokens_per_s']:.0f} tok/s | {m['time']['step']:.1f}s")
+
+
+def log_step(run, step, m, episodes, samples):
+    """metrics.jsonl (and the tracker), transcripts: rank 0 only."""
+    if not run.main:
+        return
+    args = run.args
+    log_jsonl(run.files["metrics"], m)
+    if run.tracker is not None:
+        run.tracker.log(m, step)
+    if args.samples_every and (step % args.samples_every == 0 or step == 1):
+        log_transcripts(run.files["samples"], step, episodes[:2], samples)
