@@ -168,7 +168,7 @@ def role_kind(role: str) -> str | None:
 
 
 def _abbrev(role: str) -> str:
-    return role[:3]  # as train.py's step line: gen, agg, eva, orc, wor, syn
+    return role[:3]  # as the step line: gen, agg, eva, orc, wor, syn
 
 
 # ----------------------------------------------------------------------------- accuracy and cliffs

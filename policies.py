@@ -16,8 +16,8 @@ Choices, each a flag of train.py:
 - `--isolation full`: instead of adapters, a full trainable copy of the model per adapter name
   (small models only); the loaded model stays frozen as the base.
 - `--grad-checkpointing`: `checkpoint_layers` recomputes each decoder layer in the backward
-  (on by default at real scales: a 16k-token micro-batch of Qwen3-4B keeps 180 GiB of
-  activations without it, 6.9 GiB with it, measured by bench/memory.py).
+  (on by default at real scales, where a long micro-batch's activations would not fit;
+  bench/memory.py counts them with and without, README "Real models").
 - The active adapter is one name for the whole batch, `None` for the base, or a list with one
   name per row (rows are grouped by adapter inside each hook) so one batch can mix roles.
 - Adapters are saved in PEFT's file layout (adapter_config.json + adapter_model.safetensors with

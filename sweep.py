@@ -22,8 +22,7 @@ Choices:
 - Workers: --jobs cells at once (default: the cores this process may use), each child with one
   thread (OMP_NUM_THREADS=1, which torch takes for its intra-op threads, and MKL_NUM_THREADS=1):
   the toy model gains little from more, and threads that outnumber the free cores spin-wait and
-  run several times slower (measured here: a tiny cell's step took 0.2 s with one thread and 2 s
-  with two on a busy 2-core machine). A child's output is appended to
+  run several times slower. A child's output is appended to
   OUT/logs/NAME.log, never shown on the terminal, which shows one progress bar. Cells with the
   most LLM calls per episode start first, so that the last ones to finish are short.
 - At --scale toy the toy model of each task is built first, once, by `python toy.py --task T`
