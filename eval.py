@@ -270,7 +270,7 @@ def _pass_at_ks(episodes: list, samples: int) -> dict:
 
 
 def evaluate(llm, workflow: str, problems: list, task: str, samples: int = 1, batch_size: int = 16,
-             progress: bool = True, **wf_params) -> dict:
+             progress: bool = True, stream: tuple = ("eval", 0), **wf_params) -> dict:
     """Run `workflow` with `llm` on every problem `samples` times, score, and measure.
 
     Returns {"workflow", "task", "problems", "samples", "episodes", "pass@k": {k: mean over
@@ -284,7 +284,7 @@ def evaluate(llm, workflow: str, problems: list, task: str, samples: int = 1, ba
     bar = tqdm(total=len(problems), desc=f"eval {workflow}/{task}", disable=not progress)
     for i in range(0, len(problems), batch_size):
         chunk = problems[i:i + batch_size]
-        eps = rollout.run_episodes(llm, workflow, chunk, samples, task, **wf_params)
+        eps = rollout.run_episodes(llm, workflow, chunk, samples, task, stream, **wf_params)
         rs = rewards.score([e.final_text for e in eps], [e.problem for e in eps], task)
         for e, r in zip(eps, rs):
             e.reward = float(r)
@@ -301,7 +301,8 @@ def eval_record(llm, workflow: str, problems: list, task: str, step: int, batch_
                 progress: bool = True) -> dict:
     """The eval.jsonl record of a training run's evaluation at `step`: pass@1 on the held-out
     problems, with per-role parse-failure rate, mean length, code-block rate and calls."""
-    res = evaluate(llm, workflow, problems, task, samples=1, batch_size=batch_size, progress=progress)
+    res = evaluate(llm, workflow, problems, task, samples=1, batch_size=batch_size, progress=progress,
+                   stream=("eval", step))
     roles = res["quality"]["roles"]
     return {"step": step, "acc": res["pass@k"][1], "n": res["problems"],
             "parse_fail": {r: q.get("fallbacks_per_call", 0.0) for r, q in roles.items()},
@@ -311,17 +312,20 @@ def eval_record(llm, workflow: str, problems: list, task: str, step: int, batch_
 
 
 def merge_records(recs: list) -> dict:
-    """One evaluation record from every rank's share: accuracy weighted by problems, per-role
-    rates weighted by calls."""
+    """One evaluation record from every rank's share, the same to the last bit as one process
+    would have written: each rate times its count is a whole number (correct problems, parse
+    failures, tokens, code blocks), so the shares are summed as integers and divided once."""
     recs = [r for r in recs if r]
     n = sum(r["n"] for r in recs)
-    out = {"step": recs[0]["step"], "acc": sum(r["acc"] * r["n"] for r in recs) / n, "n": n, "calls": {}}
+    calls = {}
     for r in recs:
         for role, c in r["calls"].items():
-            out["calls"][role] = out["calls"].get(role, 0) + c
+            calls[role] = calls.get(role, 0) + c
+    out = {"step": recs[0]["step"], "acc": sum(round(r["acc"] * r["n"]) for r in recs) / n, "n": n}
     for key in ("parse_fail", "len", "code_block_rate"):
-        out[key] = {role: sum((r[key].get(role) or 0.0) * r["calls"].get(role, 0) for r in recs) / c
-                    for role, c in out["calls"].items() if c}
+        out[key] = {role: sum(round((r[key].get(role) or 0.0) * r["calls"].get(role, 0)) for r in recs) / c
+                    for role, c in sorted(calls.items()) if c}
+    out["calls"] = dict(sorted(calls.items()))
     return out
 
 
@@ -410,8 +414,6 @@ def load_problems(data: str, kind: str, n: int | None, seed: int) -> tuple:
 
 
 def _make_llm(args, st: dict, kind: str):
-    import torch
-
     import policies
     import rollout
     model, tokenizer = policies.load(st["scale"], device=args.device, toy_task=kind)
@@ -419,8 +421,7 @@ def _make_llm(args, st: dict, kind: str):
                              isolation=st["isolation"], rank=st["lora_rank"], alpha=st["lora_alpha"])
     if st["checkpoint"]:
         policy.load_adapters(st["checkpoint"])
-    gen = torch.Generator(device=args.device).manual_seed(args.seed)
-    return rollout.make_llm(policy, temperature=args.temperature, top_p=1.0, generator=gen,
+    return rollout.make_llm(policy, temperature=args.temperature, top_p=1.0, seed=args.seed,
                             max_new_tokens=st["max_new_tokens"], max_prompt_tokens=st["max_prompt_tokens"],
                             max_embed_tokens=st["max_embed_tokens"], kv_budget=rollout.default_kv_budget(args.device))
 

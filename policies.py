@@ -58,14 +58,17 @@ def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_
     if dtype is None:  # bf16 on GPU as in the paper; fp32 on CPU where bf16 matmuls are slow
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     check_scale(scale)
+    reading = contextlib.nullcontext()
     if scale == "toy":
         import toy
         path = toy.model_folder(toy_task)
+        reading = toy.locked(path, exclusive=False)   # a rebuild cannot replace it while it loads
     else:
         path = HUB_IDS.get(scale, scale)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        with reading:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as e:  # offline, unknown repo, missing files
         raise RuntimeError(f"could not load {path!r} ({str(e).splitlines()[0][:160]}); "
                            f"download it once with `hf download {path} --local-dir FOLDER` (huggingface_hub) on a "

@@ -64,6 +64,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+import seeds
+
 CPU_KV_BUDGET = 4 * 2**30  # bytes of KV cache a generate call may hold on CPU by default
 KV_FRACTION = 0.5          # share of free CUDA memory for the KV cache by default (the update
                            # needs the rest: activations, adapters and their AdamW states)
@@ -83,12 +85,15 @@ class Generation:
 
 @torch.no_grad()  # not inference_mode: its tensors could not be reused by autograd later
 def generate_simple(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
-                    temperature: float = 1.0, top_p: float = 1.0, generator=None) -> Generation:
+                    temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, keys=None) -> Generation:
     """Sample a completion for every prompt (a list of token-id lists), the plain way: all rows
     in one left-padded batch and one DynamicCache, stepping together until every row has hit a
-    stop id or its limit (`max_new_tokens`: one int, or one per prompt). The reference that
-    `generate` is tested against; it holds every row at once, for as many steps as the longest."""
+    stop id or its limit (`max_new_tokens`: one int, or one per prompt). Row i's token t is
+    drawn with seeds.uniforms(seed, keys[i], t) (`keys`: one int64 per row; None: the row
+    index). The reference that `generate` is tested against; it holds every row at once, for
+    as many steps as the longest."""
     dev = next(model.parameters()).device
+    keys = _row_keys(keys, len(prompts), dev)                            # (B,) int64
     limits = torch.from_numpy(_limits(prompts, max_new_tokens)).to(dev)  # (B,)
     B, T = len(prompts), int(limits.max())
     # left padding: every prompt ends in the last column, so every row's next token comes
@@ -109,7 +114,8 @@ def generate_simple(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
                     use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
         logits = out.logits[:, -1].float()                               # (B, V), fp32 before the log-softmax
         # sample_next divides by the temperature: the logprob is under that scaled distribution
-        tok, lp = sample_next(logits, temperature, top_p, generator)     # (B,)
+        u = seeds.uniforms(seed, keys, torch.full_like(keys, t)) if temperature > 0 else None  # (B,)
+        tok, lp = sample_next(logits, temperature, top_p, u)             # (B,)
         tokens[:, t], logps[:, t] = tok.masked_fill(done, pad_id), lp.masked_fill(done, 0.0)
         # a stop token is kept (mask 1: the policy chose it, so it is trained on); pad follows
         hit = ~done & torch.isin(tok, stops)
@@ -126,32 +132,54 @@ def generate_simple(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     return Generation(tokens[:, :n], logps[:, :n], mask, finished)
 
 
-def sample_next(logits, temperature: float, top_p: float, generator):
-    """Draw one token per row from fp32 `logits` (B, V); return (ids (B,), logprobs (B,))."""
+def sample_next(logits, temperature: float, top_p: float, u):
+    """Draw one token per row from fp32 `logits` (B, V) with the row's uniform `u` (B,) float64
+    (unused when greedy); return (ids (B,), logprobs (B,) fp32)."""
     if temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)  # (B, V)
         ids = logp.argmax(-1)
     else:
-        logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, V)
-        probs = logp.exp()
+        logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, V) fp32: the logprob returned
+        # drawn from float64 probabilities: in fp32 a cumulative sum over 151,936 tokens rounds
+        # every late token's mass to 0 or to a whole fp32 step, so many could never be drawn
+        probs = torch.softmax(logits.double() / temperature, dim=-1)   # (B, V) float64
         if top_p < 1.0:
             sp, si = probs.sort(-1, descending=True)
             # keep the smallest prefix whose mass reaches top_p: a token goes once the mass
             # before it already reaches top_p (`>=`: on an exact tie the next token is not kept)
             drop = sp.cumsum(-1) - sp >= top_p
-            ids = si.gather(-1, _draw(sp.masked_fill(drop, 0.0), generator)[:, None]).squeeze(-1)
+            ids = si.gather(-1, _draw(sp.masked_fill(drop, 0.0), u)[:, None]).squeeze(-1)
         else:
-            ids = _draw(probs, generator)
+            ids = _draw(probs, u)
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
 
-def _draw(probs, generator):
-    """One index per row of `probs` (B, V) by inverse CDF: a single uniform per row, a cumsum and
-    a binary search (lighter than torch.multinomial for one sample a row)."""
-    c = probs.cumsum(-1)                                               # (B, V)
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * c[:, -1:]
-    # first index whose cumulative mass exceeds u: tokens of probability 0 are never chosen
-    return torch.searchsorted(c, u, right=True).clamp_(max=probs.shape[1] - 1).squeeze(-1)
+def _draw(probs, u):
+    """One index per row of `probs` (B, V) float64 by inverse CDF: the row's uniform `u` (B,)
+    times the total mass, found in the cumulative sum by a binary search (lighter than
+    torch.multinomial for one sample a row). Token v is drawn with probability
+    (c[v] - c[v-1]) / c[-1], c the float64 cumsum: the exact distribution to float64 rounding."""
+    return inverse_cdf(probs.cumsum(-1), u[:, None]).squeeze(-1)        # cumsum (B, V) float64
+
+
+def inverse_cdf(c, u):
+    """Indices (B, M) of the tokens that uniforms u (B, M) select in cumulative masses c (B, V):
+    the first v with c[v] > u c[-1]."""
+    x = u * c[:, -1:]                                                  # (B, M)
+    # below the total, so the search lands on a token of positive mass (u x total may round up)
+    x = torch.minimum(x, torch.nextafter(c[:, -1:], torch.zeros_like(c[:, -1:])))
+    # first index whose cumulative mass exceeds x: tokens of probability 0 are never chosen
+    return torch.searchsorted(c, x, right=True)
+
+
+def _row_keys(keys, n: int, device):
+    """(n,) int64 row keys on the device: the given ones, or the row index."""
+    if keys is None:
+        return torch.arange(n, device=device)
+    keys = torch.as_tensor(keys, dtype=torch.long, device=device)
+    if keys.shape != (n,):
+        raise ValueError(f"keys: expected one per prompt ({n}), got shape {tuple(keys.shape)}")
+    return keys
 
 
 def left_pad(prompts: list, pad_id: int, device):
@@ -370,6 +398,7 @@ class _Job:
     queue: deque          # prompt indices not yet admitted, identical prompts adjacent
     waiting: Counter      # distinct-prompt id -> copies still in the queue
     first: dict           # distinct-prompt id -> (V,) logits of its first token, while copies wait
+    keys: torch.Tensor    # (B+1,) int64 key of each prompt's draws; the spare row's is 0
     tokens: torch.Tensor  # (B+1, T) ids; row B is the spare row free slots write to
     logps: torch.Tensor   # (B+1, T) fp32
     length: np.ndarray    # (B,) tokens produced
@@ -377,7 +406,7 @@ class _Job:
     pad_id: int
 
 
-def _new_job(prompts, limits, pad_id, share_prefix, device) -> _Job:
+def _new_job(prompts, limits, pad_id, share_prefix, keys, device) -> _Job:
     ids = {}
     same = [ids.setdefault(tuple(p), len(ids)) for p in prompts]  # (B,) id of each distinct prompt
     pids = same if share_prefix else list(range(len(prompts)))
@@ -385,7 +414,7 @@ def _new_job(prompts, limits, pad_id, share_prefix, device) -> _Job:
     # identical prompts queue side by side (whether shared or not, so both run the same schedule)
     queue = deque(sorted(range(B), key=lambda i: (same[i], i)))
     return _Job(prompts=prompts, limits=limits, pids=pids, queue=queue, waiting=Counter(pids), first={},
-                tokens=torch.full((B + 1, T), pad_id, dtype=torch.long, device=device),
+                keys=torch.cat([keys, keys.new_zeros(1)]), tokens=torch.full((B + 1, T), pad_id, dtype=torch.long, device=device),
                 logps=torch.zeros((B + 1, T), dtype=torch.float32, device=device),
                 length=np.zeros(B, dtype=np.int64), finished=np.zeros(B, dtype=bool),
                 pad_id=pad_id)
@@ -538,10 +567,12 @@ def _decode(model, cache, plan, st: _Slots) -> torch.Tensor:
 
 @torch.no_grad()  # not inference_mode: its tensors could not be reused by autograd later
 def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
-             temperature: float = 1.0, top_p: float = 1.0, generator=None, share_prefix: bool = True,
+             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, keys=None, share_prefix: bool = True,
              kv_budget: int | None = None, max_rows: int | None = None, stats: dict | None = None) -> Generation:
     """Sample a completion for every prompt (a list of token-id lists). `max_new_tokens`: one
-    limit, or one per prompt. At most `kv_budget` bytes of KV cache (None: every row at once)
+    limit, or one per prompt. Row i's token t is drawn with seeds.uniforms(seed, keys[i], t),
+    as in generate_simple, so what a row samples does not depend on the slot it gets or on
+    which rows share the call. At most `kv_budget` bytes of KV cache (None: every row at once)
     and `max_rows` rows are held. `stats`, a dict, gets prefill_rows (prompts run through a
     prefill) and decode_steps added, and kv_bytes (cache tensors held) and slots (rows held at
     once) raised to this call's."""
@@ -550,15 +581,17 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     need = max(len(p) + int(t) for p, t in zip(prompts, limits))  # columns of the longest row
     S = _slot_count(len(prompts), need, kv_bytes_per_token(model.config, model.dtype), kv_budget, max_rows)
     cache, plan = _slot_cache(model, S, need)
-    job, st = _new_job(prompts, limits, pad_id, share_prefix, dev), _Slots.empty(S, spare=len(prompts), park=need - 1)
+    job = _new_job(prompts, limits, pad_id, share_prefix, _row_keys(keys, len(prompts), dev), dev)
+    st = _Slots.empty(S, spare=len(prompts), park=need - 1)
     stops = torch.tensor(sorted(set(stop_ids)), device=dev)
     counts = Counter(prefill_rows=0, decode_steps=0)
     while True:
         _refill(model, cache, plan, st, job, counts)
         if not st.busy.any():
             break
-        tok, lp = sample_next(st.logits, temperature, top_p, generator)   # (n,)
         at = st.dev[ROW], st.dev[MADE]                                   # (n,) output row and column
+        u = seeds.uniforms(seed, job.keys[at[0]], at[1]) if temperature > 0 else None   # (n,)
+        tok, lp = sample_next(st.logits, temperature, top_p, u)          # (n,)
         job.tokens[at], job.logps[at] = tok, lp
         hit = (tok[:, None] == stops).any(-1).cpu().numpy()               # the one host sync of the step
         st.tok = tok
@@ -618,13 +651,18 @@ def make_clip(tokenizer, max_tokens: int | None):
 
 
 def make_llm(policy, *, temperature: float = 0.7, top_p: float = 1.0, max_new_tokens: int = 512,
-             max_prompt_tokens: int | None = None, generator=None, max_rows: int | None = None,
+             max_prompt_tokens: int | None = None, seed: int = 0, max_rows: int | None = None,
              kv_budget: int | None = None, max_embed_tokens: int | None = None):
-    """The `llm(role, slots, messages_list) -> list[Call]` that workflows.py calls once per stage.
+    """The `llm(role, slots, messages_list, keys=None) -> list[Call]` that workflows.py calls
+    once per stage.
 
-    Every call of a stage goes to the adapter of its role in one `generate`, which holds at most
-    `kv_budget` bytes of KV cache and `max_rows` rows at once (continuous batching; identical
-    prompts still share their prefill), and is recorded as a Call with its prompt ids,
+    `keys` names each row (workflows.stage passes its episode's stream, problem id and rollout
+    and the call's index in the episode); its draws come from seeds.uniforms(seed, key(row),
+    position), so a row samples the same tokens whatever else is in the stage. Without keys a
+    row is named by the llm's call count and its index in the call. Every call of a stage goes
+    to the adapter of its role in one `generate`, which holds at most `kv_budget` bytes of KV
+    cache and `max_rows` rows at once (continuous batching; identical prompts still share
+    their prefill), and is recorded as a Call with its prompt ids,
     completion ids (stop token included), sampler logprobs and finished flag; the text is the
     decoded completion without special tokens. `llm.stats` counts calls and cut prompts per
     role, plus the sampler's counters (see `generate`)."""
@@ -633,17 +671,20 @@ def make_llm(policy, *, temperature: float = 0.7, top_p: float = 1.0, max_new_to
 
     tok = policy.tokenizer
     stops = stop_ids(policy.model, tok)
-    stats = {}
+    stats, made = {}, [0]
 
-    def llm(role, slots, messages_list):
+    def llm(role, slots, messages_list, keys=None):
         rendered = [render(tok, m, max_prompt_tokens) for m in messages_list]
         prompts = [ids for ids, _ in rendered]
+        made[0] += 1
+        keys = keys if keys is not None else [("call", made[0], i) for i in range(len(prompts))]
+        row_keys = [seeds.key(*k) if isinstance(k, tuple) else seeds.key(k) for k in keys]
         s = stats.setdefault(role, {"calls": 0, "prompt_cut": 0})
         s["calls"] += len(prompts)
         s["prompt_cut"] += sum(cut for _, cut in rendered)
         with policy.using(policy.adapter(role)) as model:
             out = generate(model, prompts, max_new_tokens, stops, tok.pad_token_id, temperature=temperature,
-                           top_p=top_p, generator=generator, kv_budget=kv_budget, max_rows=max_rows, stats=s)
+                           top_p=top_p, seed=seed, keys=row_keys, kv_budget=kv_budget, max_rows=max_rows, stats=s)
         calls = []
         for i, ids in enumerate(prompts):
             keep = out.mask[i]
@@ -659,11 +700,14 @@ def make_llm(policy, *, temperature: float = 0.7, top_p: float = 1.0, max_new_to
     return llm
 
 
-def run_episodes(llm, workflow: str, problems: list, group_size: int, task: str, **params) -> list:
+def run_episodes(llm, workflow: str, problems: list, group_size: int, task: str, stream: tuple = (),
+                 **params) -> list:
     """Run `workflow` on every problem `group_size` times; return the Episodes (calls and final
-    text filled in, rewards not yet)."""
+    text filled in, rewards not yet). `stream` names what the episodes' draws are for, e.g.
+    ("train", step) or ("eval", step): with the problem, the rollout and the call, it keys
+    every row's random numbers."""
     from workflows import Episode, run_workflow
 
-    episodes = [Episode(problem=p, rollout=g) for p in problems for g in range(group_size)]
+    episodes = [Episode(problem=p, rollout=g, stream=tuple(stream)) for p in problems for g in range(group_size)]
     run_workflow(workflow, episodes, llm, task, **params)
     return episodes

@@ -2,15 +2,18 @@
 
 Files (every field: docs/RUNFOLDER.md): config.json, metrics.jsonl (one object per step),
 eval.jsonl, samples.jsonl (transcripts), ckpt-last/ and ckpt-best/ (adapters in PEFT layout +
-optimizer, scheduler and RNG states), and `done` at the end. Rank 0 alone writes them.
+optimizer, scheduler and damping states), and `done` at the end. Rank 0 alone writes them.
 
 - A save is recoverable at every instant: write FOLDER.tmp (state.pt last, itself through a
-  rename), move FOLDER aside to FOLDER.old, move FOLDER.tmp in, delete FOLDER.old
-  (`save_checkpoint`, `publish`); `find_checkpoint` finishes whichever save a kill left.
-- `open_run` on --resume restores the newest complete checkpoint and drops every log record
-  after its step (`truncate_jsonl`), so with the same seed a resumed run logs exactly what an
-  uninterrupted one would have (the problems of step k and every RNG state are restored, not
-  re-drawn).
+  rename, listing every file of the checkpoint), move FOLDER aside to FOLDER.old, move
+  FOLDER.tmp in, delete FOLDER.old, always through a rename to FOLDER.del first
+  (`save_checkpoint`, `publish`, `remove`); `find_checkpoint` finishes whichever save a kill
+  left, choosing by completeness in the order of a save, never by the highest step.
+- `open_run` on --resume restores ckpt-last and drops every log record after its step
+  (`truncate_jsonl`, through a rename, so a kill keeps every line), a ckpt-best of a later
+  step, and a `done` the run will go past. With the same seed a resumed run logs exactly what
+  an uninterrupted one would have: the problems of step k and every draw are keyed by the step
+  (seeds.py), not by a generator's state.
 """
 import json
 import os
@@ -47,7 +50,9 @@ def read_jsonl(path):
 
 def truncate_jsonl(path, last_step):
     """Drop records after `last_step` (logged after the checkpoint a resume starts from). A run
-    killed mid-append leaves a torn line that does not parse: it is dropped, and said so."""
+    killed mid-append leaves a torn line that does not parse: it is dropped, and said so. The
+    kept lines go to PATH.tmp, which then replaces PATH: killed at any point, PATH holds either
+    every old line or the kept ones."""
     if not os.path.isfile(path):
         return
     keep = []
@@ -62,59 +67,99 @@ def truncate_jsonl(path, last_step):
                 continue
             if step <= last_step:
                 keep.append(line if line.endswith("\n") else line + "\n")
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:
         f.writelines(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
 def save_checkpoint(policy, optimizers, schedulers, state, folder):
-    """Adapters (PEFT layout) + optimizer, scheduler and RNG states, recoverable at every
-    instant: write FOLDER.tmp (state.pt last, itself via a rename), move FOLDER aside to
-    FOLDER.old, move FOLDER.tmp in, delete FOLDER.old. find_checkpoint reads whichever
-    complete one a kill left."""
+    """Adapters (PEFT layout) + optimizer, scheduler and damping states, recoverable at every
+    instant: write FOLDER.tmp (state.pt last, itself via a rename, with the size of every other
+    file it holds), then `publish` it. find_checkpoint reads whichever complete one a kill left."""
     import torch
     tmp = folder + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove(tmp)
     policy.save(tmp)
+    manifest = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
+                for d, _, names in os.walk(tmp) for f in names}
     torch.save({"optimizers": {k: o.state_dict() for k, o in optimizers.items()},
-                "schedulers": {k: s.state_dict() for k, s in schedulers.items()}, **state},
+                "schedulers": {k: s.state_dict() for k, s in schedulers.items()}, "files": manifest, **state},
                os.path.join(tmp, "state.pt.part"))
     os.replace(os.path.join(tmp, "state.pt.part"), os.path.join(tmp, "state.pt"))
     publish(tmp, folder)
 
 
+def remove(folder):
+    """Delete a folder so that no kill leaves it half deleted under its name: it is renamed to
+    FOLDER.del first (a name nothing reads), then deleted."""
+    if os.path.isdir(folder):
+        shutil.rmtree(folder + ".del", ignore_errors=True)   # a killed delete's leftover
+        os.replace(folder, folder + ".del")
+        shutil.rmtree(folder + ".del", ignore_errors=True)
+
+
 def publish(new, folder):
-    """Put the complete checkpoint `new` at `folder`: the old one aside, the new one in, the
-    old one deleted. Killed at any point, `folder` or FOLDER.old still holds a checkpoint."""
+    """Put the complete checkpoint `new` at `folder`: the old one aside as FOLDER.old, the new
+    one in, the old one removed. Killed at any point, FOLDER, FOLDER.tmp or FOLDER.old holds a
+    complete checkpoint, and none of them is ever half deleted."""
     old = folder + ".old"
     if os.path.isdir(folder):
-        shutil.rmtree(old, ignore_errors=True)
+        remove(old)
         os.replace(folder, old)
     os.replace(new, folder)
-    shutil.rmtree(old, ignore_errors=True)
+    remove(old)
 
 
-def find_checkpoint(out, name="ckpt-last"):
-    """(folder, step) of the newest complete checkpoint among NAME, NAME.tmp and NAME.old (a
-    save killed midway leaves one of them), published as NAME; (None, None) if there is none."""
+def checkpoint_step(folder):
+    """The step of a complete checkpoint folder, else None: state.pt loads and every file it
+    lists is there at its size (a folder without the list: state.pt alone, written last)."""
     import torch
-    target, best = os.path.join(out, name), (None, None)
-    for folder in (target, target + ".tmp", target + ".old"):  # on a tie the first wins
-        if os.path.isfile(os.path.join(folder, "state.pt")):   # state.pt is written last
-            step = torch.load(os.path.join(folder, "state.pt"), weights_only=False)["step"]
-            if best[1] is None or step > best[1]:
-                best = (folder, step)
-    folder, step = best
+    path = os.path.join(folder, "state.pt")
+    if not os.path.isfile(path):
+        return None
+    try:
+        st = torch.load(path, weights_only=False, map_location="cpu")
+    except Exception:   # torn or unreadable: not a checkpoint
+        return None
+    for rel, size in st.get("files", {}).items():
+        f = os.path.join(folder, rel)
+        if not os.path.isfile(f) or os.path.getsize(f) != size:
+            return None
+    return st["step"]
+
+
+def find_checkpoint(out, name="ckpt-last", upto=None):
+    """(folder, step) of the checkpoint NAME resumes from, published as NAME, every other copy
+    removed; (None, None) if there is none. The first complete one of NAME (what the last
+    finished save left), NAME.tmp (a save complete but not moved in) and NAME.old (the one
+    before, when a kill came between moving NAME aside and moving NAME.tmp in) is taken: the
+    order a save goes through, not the highest step. With `upto`, a checkpoint of a later step
+    is not taken: it comes from the part of the run that a resume from `upto` replays."""
+    target = os.path.join(out, name)
+    folder = step = None
+    for cand in (target, target + ".tmp", target + ".old"):
+        s = checkpoint_step(cand)
+        if s is None:
+            continue
+        if upto is not None and s > upto:
+            print(f"resume: {os.path.basename(cand)} is of step {s}, after step {upto} the run resumes from: removed")
+            continue
+        folder, step = cand, s
+        break
     if folder is not None and folder != target:  # finish the save that was interrupted
         print(f"resume: {name} was left mid-save; using {os.path.basename(folder)} (step {step})")
-        if os.path.isdir(target) and not os.path.isfile(os.path.join(target, "state.pt")):
-            shutil.rmtree(target)                               # an incomplete copy
         if folder.endswith(".tmp"):
             publish(folder, target)
-        else:                                                   # .old: nothing newer exists
+        else:                                      # .old: NAME is missing or incomplete
+            remove(target)
             os.replace(folder, target)
-    for suffix in (".tmp", ".old"):
+    for suffix in ("", ".tmp", ".old") if folder is None else (".tmp", ".old"):
+        remove(target + suffix)
+    for suffix in (".del", ".tmp.del", ".old.del"):        # what a killed delete left
         shutil.rmtree(target + suffix, ignore_errors=True)
     return (target, step) if folder is not None else (None, None)
 
@@ -122,8 +167,8 @@ def find_checkpoint(out, name="ckpt-last"):
 # ----------------------------------------------------------------------------- a run's state
 
 def open_run(run):
-    """Resume from the newest complete checkpoint, or start the run folder afresh. Rank 0
-    alone touches the files; every rank then loads the same checkpoint."""
+    """Resume from the checkpoint ckpt-last holds, or start the run folder afresh. Rank 0 alone
+    touches the files; every rank then loads the same checkpoint."""
     args = run.args
     ck = step = None
     if run.main:
@@ -131,17 +176,13 @@ def open_run(run):
             run.created.append(args.out)
         os.makedirs(args.out, exist_ok=True)
         if args.resume:
-            ck, step = find_checkpoint(args.out)
-            find_checkpoint(args.out, "ckpt-best")
-            for f in run.files.values():
-                truncate_jsonl(f, step if ck else -1)
-            print(f"resumed {args.out} at step {step} from {os.path.basename(ck)}" if ck else
-                  f"resume: {args.out} has no complete checkpoint; starting it over")
+            ck, step = resume_folder(args, run.files)
         path = os.path.join(args.out, "config.json")
         if not os.path.isfile(path):
             run.created.append(path)
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump(vars(args), f, indent=2)
+        os.replace(path + ".tmp", path)
         print("config: " + json.dumps(vars(args)))
     if run.comm:
         ck, step = run.comm.gather((ck, step))[0]
@@ -149,35 +190,46 @@ def open_run(run):
         restore(run, ck, step)
 
 
+def resume_folder(args, logs):
+    """Put the run folder back at its last checkpoint: (ckpt-last, its step) or (None, None).
+    Every log record after that step goes, and so does a ckpt-best of a later step; a run that
+    goes on past its `done` loses the file at once, so a kill midway cannot leave it finished."""
+    ck, step = find_checkpoint(args.out)
+    find_checkpoint(args.out, "ckpt-best", upto=step if ck else -1)
+    for f in logs.values():
+        truncate_jsonl(f, step if ck else -1)
+    done = os.path.join(args.out, "done")
+    if os.path.exists(done) and (ck is None or step < args.steps):
+        os.remove(done)
+    print(f"resumed {args.out} at step {step} from {os.path.basename(ck)}" if ck else
+          f"resume: {args.out} has no complete checkpoint; starting it over")
+    return ck, step
+
+
 def restore(run, ck, step):
-    """Adapters, optimizer and scheduler states, RNG states (this rank's) and the damping EMA."""
+    """Adapters, optimizer and scheduler states and the damping EMA. Nothing else is needed:
+    every random draw is keyed by the step (seeds.py), so no generator state is saved. The best
+    accuracy is ckpt-best's, or none when the resume removed it."""
     import torch
     run.policy.load_adapters(ck)
     st = torch.load(os.path.join(ck, "state.pt"), weights_only=False)
     for k in run.optimizers:
         run.optimizers[k].load_state_dict(st["optimizers"][k])
         run.schedulers[k].load_state_dict(st["schedulers"][k])
-    world = run.comm.world if run.comm else 1
-    ranks = st.get("ranks", [{"gen": st["gen"], "shuffle": st["shuffle"]}])
-    if len(ranks) != world:
-        fail(f"--resume: the run was saved by {len(ranks)} processes; resume it with as many (now {world})")
-    mine = ranks[run.comm.rank if run.comm else 0]
-    run.gen.set_state(mine["gen"])
-    run.shuffle.set_state(mine["shuffle"])
     if run.damp is not None:
         run.damp.load_state_dict(st["damp"], device=run.policy.model.device)
-    run.start, run.best = step, st["best"]
+    best = os.path.join(run.args.out, "ckpt-best", "state.pt")
+    run.start = step
+    run.best = torch.load(best, weights_only=False)["best"] if os.path.isfile(best) else -1.0
     accs = [r["acc"] for r in read_jsonl(run.files["eval"])]
     run.last_acc = accs[-1] if accs else None
 
 
 def checkpoint(run, step, name="ckpt-last"):
-    """Rank 0 saves; the RNG states of every rank go with it (every rank must call this)."""
-    mine = {"gen": run.gen.get_state(), "shuffle": run.shuffle.get_state()}
-    ranks = run.comm.gather(mine) if run.comm else [mine]
+    """Rank 0 saves the run's state at `step`; every rank may call this."""
     if not run.main:
         return
-    state = {"step": step, "best": run.best, **ranks[0], "ranks": ranks}
+    state = {"step": step, "best": run.best}
     if run.damp is not None:
         state["damp"] = run.damp.state_dict()
     save_checkpoint(run.policy, run.optimizers, run.schedulers, state, os.path.join(run.args.out, name))

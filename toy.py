@@ -31,7 +31,9 @@ learn on a laptop CPU through exactly the code path of the real models:
 Run `python toy.py --task math` to build it (or rebuild with --force) and print its folder.
 """
 import argparse
+import contextlib
 import functools
+import glob
 import hashlib
 import itertools
 import json
@@ -39,6 +41,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 
 import torch
@@ -285,22 +288,64 @@ def _key(task: str, warm: dict) -> str:
     return hashlib.md5(blob.encode()).hexdigest()[:10]
 
 
+COMPLETE = "complete"   # the file a build writes last into its folder, before publishing it
+
+
 def model_folder(task: str = "math", warm: dict | None = None, force: bool = False, quiet: bool = False) -> str:
-    """Folder of the warm-started toy model for `task`, building it on first use."""
+    """Folder of the warm-started toy model for `task`, building it on first use. Any number of
+    processes may ask at once (torchrun ranks, sweep cells): one builds, under the folder's
+    lock, while the others wait for it and then use its model. `MARL_TOY_WARM` (JSON, e.g.
+    '{"steps": 2, "batch": 4}') overrides WARM, for tests and quick looks; it changes the key."""
     if task not in ("math", "code"):
         raise ValueError(f"toy task must be math or code, got {task!r}")
-    warm = {**WARM, **(warm or {})}
+    warm = {**WARM, **json.loads(os.environ.get("MARL_TOY_WARM") or "{}"), **(warm or {})}
     folder = os.path.join(CACHE, "toy", f"{task}-{_key(task, warm)}")
-    if os.path.isfile(os.path.join(folder, "config.json")) and not force:
+    if is_complete(folder) and not force:
         return folder
-    tmp = folder + f".tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    with locked(folder, exclusive=True):       # one builder; readers (policies.load) wait
+        if force or not is_complete(folder):   # another process may have built it meanwhile
+            print(f"toy: building the warm-started {task} model in {folder} (first use)", file=sys.stderr)
+            build(task, warm, folder, quiet)
+    return folder
+
+
+def is_complete(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, COMPLETE))
+
+
+@contextlib.contextmanager
+def locked(folder: str, exclusive: bool):
+    """Hold FOLDER.lock: exclusive to build and publish, shared to read. Without fcntl (not
+    POSIX) nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(folder + ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build(task: str, warm: dict, folder: str, quiet: bool = False) -> None:
+    """Warm-start into FOLDER.tmp-PID, then publish it whole: the complete model is moved aside,
+    the new one moved in, the old one deleted. Killed at any point, the folder is either a
+    complete model or absent (and the next caller rebuilds); leftovers carry other names."""
+    for stale in glob.glob(glob.escape(folder) + ".tmp*") + glob.glob(glob.escape(folder) + ".old*"):
+        shutil.rmtree(stale, ignore_errors=True)   # what a killed build left (we hold the lock)
+    tmp, old = folder + f".tmp{os.getpid()}", folder + f".old{os.getpid()}"
     model, tok = warm_start(task, warm, quiet=quiet)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)  # atomic: a half-built model is never picked up
-    return folder
+    open(os.path.join(tmp, COMPLETE), "w").close()
+    if os.path.isdir(folder):
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def new_model(tok):

@@ -39,12 +39,7 @@ from dataclasses import dataclass, field
 
 import flags
 import runfolder
-
-# Every random stream of a run is --seed plus a named offset, so no two streams coincide:
-PROBLEM_STRIDE = 1_000_003  # a step's problems: Random(seed * PROBLEM_STRIDE + step)
-SHUFFLE_OFFSET = 1          # the mini-batch order: seed + 1, the same on every rank
-RANK_STRIDE = 1000          # under torchrun each rank samples from seed + RANK_STRIDE * rank
-EVAL_OFFSET = 10_000        # the evaluation at step k samples from EVAL_OFFSET + k (+ the rank's)
+import seeds
 
 
 @dataclass
@@ -54,8 +49,6 @@ class Run:
     policy: object
     optimizers: dict
     schedulers: dict
-    gen: object                   # torch.Generator of the rollouts
-    shuffle: object               # torch.Generator of the mini-batch order
     llm: object
     train_set: list
     test_set: list
@@ -75,18 +68,15 @@ class Run:
         """Only rank 0 prints, writes the run folder and saves checkpoints."""
         return self.comm is None or self.comm.main
 
-    @property
-    def rank(self) -> int:
-        return self.comm.rank if self.comm else 0
 
 
 # ----------------------------------------------------------------------------- set-up
 
-def make_llm(policy, args, generator, kv_budget):
+def make_llm(policy, args, kv_budget):
     import rollout
     return rollout.make_llm(policy, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                            generator=generator, max_rows=args.max_rows, kv_budget=kv_budget,
+                            seed=args.seed, max_rows=args.max_rows, kv_budget=kv_budget,
                             max_embed_tokens=args.max_embed_tokens)
 
 
@@ -116,14 +106,10 @@ def setup(args, comm=None):
                              args.lora_rank, args.lora_alpha, checkpointing=checkpointing)
     optimizers, schedulers = grpo.make_optimizers(policy, args.lr, args.warmup_steps, args.steps,
                                                   weight_decay=args.weight_decay)
-    rank = comm.rank if comm else 0
-    gen = torch.Generator(device).manual_seed(args.seed + RANK_STRIDE * rank)
-    shuffle = torch.Generator().manual_seed(args.seed + SHUFFLE_OFFSET)
     # measured after the model is loaded: on CUDA the default is a share of what is left free
     kv_budget = int(args.kv_budget_gb * 2**30) if args.kv_budget_gb else rollout.default_kv_budget(device)
     damp = damping.CoherenceDamp(args.coherence_damp, args.coherence_window) if args.coherence_damp else None
-    return Run(args, policy, optimizers, schedulers, gen, shuffle, make_llm(policy, args, gen, kv_budget),
-               train_set, test_set, runfolder.files(args.out), hyper=flags.hyper(args), damp=damp, comm=comm,
+    return Run(args, policy, optimizers, schedulers, make_llm(policy, args, kv_budget), train_set, test_set, runfolder.files(args.out), hyper=flags.hyper(args), damp=damp, comm=comm,
                kv_budget=kv_budget)
 
 
@@ -155,16 +141,13 @@ def start_run(args, comm):
 def run_eval(run, step):
     """Evaluate (each rank its share of the problems), log, and keep ckpt-best: the earliest
     step at the best accuracy, step 0 included."""
-    import torch
-
     import eval as ev
-    # a generator of its own, so evaluations never shift the training samples
-    gen = torch.Generator(run.gen.device).manual_seed(EVAL_OFFSET + step + RANK_STRIDE * run.rank)
     problems = run.comm.share(run.test_set) if run.comm else run.test_set
     a = run.args
-    # as many episodes at once as a training step runs, so evaluation fits where training fits
-    rec = ev.eval_record(make_llm(run.policy, a, gen, run.kv_budget), a.workflow, problems, a.task, step,
-                         batch_size=a.problems_per_step * a.group_size, progress=not a.quiet) if problems else None
+    # its own stream of draws, ("eval", step), apart from training's; as many episodes at once
+    # as a training step runs, so evaluation fits where training fits
+    rec = ev.eval_record(run.llm, a.workflow, problems, a.task, step, batch_size=a.problems_per_step * a.group_size,
+                         progress=not a.quiet) if problems else None
     rec = ev.merge_records(run.comm.gather(rec)) if run.comm else rec
     if run.main:
         runfolder.log_jsonl(run.files["eval"], rec)
@@ -220,6 +203,7 @@ def interrupts():
 
 def main(argv=None):
     args = flags.parse_args(argv, __doc__)
+    import torch
     from tqdm import tqdm
 
     import dynamics
@@ -239,10 +223,10 @@ def main(argv=None):
         for step in bar:
             t0 = time.time()
             # 1. problems of this step, the same ones whenever the run is resumed (this rank's share)
-            batch = random.Random(args.seed * PROBLEM_STRIDE + step).sample(run.train_set, args.problems_per_step)
+            batch = random.Random(seeds.derive(args.seed, "problems", step)).sample(run.train_set, args.problems_per_step)
             batch = comm.share(batch) if comm else batch
-            # 2. rollouts: every problem G times through the workflow
-            episodes = rollout.run_episodes(run.llm, args.workflow, batch, args.group_size, args.task)
+            # 2. rollouts: every problem G times through the workflow, with draws keyed by the step
+            episodes = rollout.run_episodes(run.llm, args.workflow, batch, args.group_size, args.task, ("train", step))
             t1 = time.time()
             # 3. reward: grade each final answer, copy it to every call of the episode
             for e, r in zip(episodes, rewards.score([e.final_text for e in episodes], [e.problem for e in episodes], args.task)):
@@ -251,8 +235,9 @@ def main(argv=None):
             # 4. advantages grouped by (problem, slot), then one update per role's optimizer
             samples = grpo.samples_from_episodes(episodes, group_by=args.adv_group)
             rows = parallel.every_rank_rows(comm, samples) if comm else samples
+            shuffle = torch.Generator().manual_seed(seeds.derive(args.seed, "shuffle", step))   # every rank's
             dyn = dynamics.RoleDynamics(run.policy, comm=comm, damp=run.damp)
-            grpo.update(run.policy, run.optimizers, run.schedulers, rows, run.hyper, shuffle=run.shuffle, probe=dyn)
+            grpo.update(run.policy, run.optimizers, run.schedulers, rows, run.hyper, shuffle=shuffle, probe=dyn)
             # 5. log, evaluate, save (a stop that reached any rank stops them all at this step)
             m = runfolder.step_record(run, step, episodes, dyn.summary(run.hyper), (t0, t1, t2, time.time()))
             runfolder.log_step(run, step, m, episodes, samples)

@@ -1,7 +1,7 @@
 """Workflows: roles, prompts, output parsers, and each workflow as a function over a batch.
 
 Four workflows, run stage by stage over a batch of episodes. Each stage is ONE call
-`llm(role, slots, messages_list)` for every live episode together (a stage with no live
+`llm(role, slots, messages_list, keys)` for every live episode together (a stage with no live
 episode makes no call), and every returned `Call` is appended to its episode in order.
 
 | workflow       | stages (slots)                                          | graded text          |
@@ -47,6 +47,7 @@ train.py's and eval.py's `--workflow` choices, sweep.py's cells and eval.py's ro
 colours all read the registry (README, "Adding a workflow", lists what cannot be derived).
 """
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -75,14 +76,16 @@ class Episode:
     final_text: str = ""          # the text that is graded
     reward: float = 0.0           # 0/1 reward of final_text, copied to every call
     fallbacks: dict = field(default_factory=dict)       # role -> parser fallbacks taken
+    stream: tuple = ()            # what its draws are for, e.g. ("train", step): see `stage`
 
     @property
     def problem_id(self) -> str:
         return str(self.problem["id"])
 
 
-# llm(role, slots, messages_list) -> one Call per (slot, messages), in order, text filled in.
-LLM = Callable[[str, list, list], list]
+# llm(role, slots, messages_list, keys=None) -> one Call per (slot, messages), in order, text
+# filled in; keys[i] names row i (see `stage`), so that its random draws depend on it alone.
+LLM = Callable[..., list]
 
 
 TASKS = ("math", "code")
@@ -288,11 +291,18 @@ def _count(episode: Episode, role: str, taken: bool) -> None:
 # ---------------------------------------------------------------------------------------
 # Workflows: fn(episodes, llm, task, **params) -> None, filling .calls and .final_text.
 
-def _stage(llm: LLM, role: str, slots: list[str], messages_list: list[list[dict]]) -> list[Call]:
-    """One stage = one llm call for all live episodes together; no call when none is live."""
+def stage(llm: LLM, role: str, slots: list[str], messages_list: list[list[dict]], owners: list) -> list[Call]:
+    """One stage = one llm call for all live episodes together; no call when none is live.
+    owners[i] is the Episode that row i's call will be appended to, in order; the row's key is
+    (its stream, problem id, rollout, the index the call will have in the episode), the same
+    whichever other rows share the stage."""
     if not slots:
         return []
-    calls = llm(role, slots, messages_list)
+    keys, before = [], Counter()
+    for ep in owners:
+        keys.append((*ep.stream, ep.problem_id, ep.rollout, len(ep.calls) + before[id(ep)]))
+        before[id(ep)] += 1
+    calls = llm(role, slots, messages_list, keys=keys)
     if len(calls) != len(slots):
         raise RuntimeError(f"llm returned {len(calls)} calls for {len(slots)} {role} prompts")
     return calls
@@ -308,8 +318,8 @@ def _clipper(llm: LLM) -> Callable[[str], str]:
 
 def single(episodes: list[Episode], llm: LLM, task: str) -> None:
     _check_task(task)
-    calls = _stage(llm, "generator", ["generator"] * len(episodes),
-                   [generator_messages(ep.problem, task) for ep in episodes])
+    calls = stage(llm, "generator", ["generator"] * len(episodes),
+                  [generator_messages(ep.problem, task) for ep in episodes], episodes)
     for ep, call in zip(episodes, calls):
         ep.calls.append(call)
         ep.final_text = call.text
@@ -321,15 +331,16 @@ def voting(episodes: list[Episode], llm: LLM, task: str, n_voters: int = 3) -> N
         raise ValueError(f"n_voters must be in 1..{len(SOLUTION_HEADERS)}, got {n_voters}")
     voters = [f"generator{i}" for i in range(n_voters)]
     # all voters of all episodes in one call; identical prompts, so the sampler can share prefill
-    gen = _stage(llm, "generator", voters * len(episodes),
-                 [generator_messages(ep.problem, task) for ep in episodes for _ in voters])
+    gen = stage(llm, "generator", voters * len(episodes),
+                [generator_messages(ep.problem, task) for ep in episodes for _ in voters],
+                [ep for ep in episodes for _ in voters])
     groups = [gen[i * n_voters:(i + 1) * n_voters] for i in range(len(episodes))]
     for ep, group in zip(episodes, groups):
         ep.calls.extend(group)
     clip = _clipper(llm)
-    agg = _stage(llm, "aggregator", ["aggregator"] * len(episodes),
-                 [aggregator_messages(ep.problem, task, [clip(c.text) for c in group])
-                  for ep, group in zip(episodes, groups)])
+    agg = stage(llm, "aggregator", ["aggregator"] * len(episodes),
+                [aggregator_messages(ep.problem, task, [clip(c.text) for c in group])
+                 for ep, group in zip(episodes, groups)], episodes)
     for ep, group, call in zip(episodes, groups, agg):
         ep.calls.append(call)
         k, fallback = parse_choice(call.text, n_voters)
@@ -347,8 +358,9 @@ def eval_opt(episodes: list[Episode], llm: LLM, task: str, max_rounds: int | Non
     clip = _clipper(llm)
 
     def generate(idx: list[int]) -> None:
-        calls = _stage(llm, "generator", ["generator"] * len(idx),
-                       [generator_messages(episodes[i].problem, task, [clip(t) for t in history[i]]) for i in idx])
+        calls = stage(llm, "generator", ["generator"] * len(idx),
+                      [generator_messages(episodes[i].problem, task, [clip(t) for t in history[i]]) for i in idx],
+                      [episodes[i] for i in idx])
         for i, call in zip(idx, calls):
             episodes[i].calls.append(call)
             history[i].append(call.text)
@@ -356,8 +368,9 @@ def eval_opt(episodes: list[Episode], llm: LLM, task: str, max_rounds: int | Non
 
     generate(live)
     for _ in range(rounds):
-        calls = _stage(llm, "evaluator", ["evaluator"] * len(live),
-                       [evaluator_messages(episodes[i].problem, task, [clip(t) for t in history[i]]) for i in live])
+        calls = stage(llm, "evaluator", ["evaluator"] * len(live),
+                      [evaluator_messages(episodes[i].problem, task, [clip(t) for t in history[i]]) for i in live],
+                      [episodes[i] for i in live])
         still = []
         for i, call in zip(live, calls):
             episodes[i].calls.append(call)
@@ -376,8 +389,8 @@ def orch_workers(episodes: list[Episode], llm: LLM, task: str, max_strategies: i
     _check_task(task)
     if not 1 <= max_strategies <= len(SOLUTION_HEADERS):
         raise ValueError(f"max_strategies must be in 1..{len(SOLUTION_HEADERS)}, got {max_strategies}")
-    orch = _stage(llm, "orchestrator", ["orchestrator"] * len(episodes),
-                  [orchestrator_messages(ep.problem, task) for ep in episodes])
+    orch = stage(llm, "orchestrator", ["orchestrator"] * len(episodes),
+                 [orchestrator_messages(ep.problem, task) for ep in episodes], episodes)
     plans = []
     for ep, call in zip(episodes, orch):
         ep.calls.append(call)
@@ -386,15 +399,17 @@ def orch_workers(episodes: list[Episode], llm: LLM, task: str, max_strategies: i
         plans.append(strategies)
     # every worker of every episode in one call, one strategy each
     owners = [i for i, plan in enumerate(plans) for _ in plan]
-    work = _stage(llm, "worker", ["worker"] * len(owners),
-                  [worker_messages(episodes[i].problem, task, s) for i, plan in enumerate(plans) for s in plan])
+    work = stage(llm, "worker", ["worker"] * len(owners),
+                 [worker_messages(episodes[i].problem, task, s) for i, plan in enumerate(plans) for s in plan],
+                 [episodes[i] for i in owners])
     solutions = [[] for _ in episodes]
     for i, call in zip(owners, work):
         episodes[i].calls.append(call)
         solutions[i].append(call.text)
     clip = _clipper(llm)
-    syn = _stage(llm, "synthesizer", ["synthesizer"] * len(episodes),
-                 [synthesizer_messages(ep.problem, task, [clip(s) for s in sols]) for ep, sols in zip(episodes, solutions)])
+    syn = stage(llm, "synthesizer", ["synthesizer"] * len(episodes),
+                [synthesizer_messages(ep.problem, task, [clip(s) for s in sols]) for ep, sols in zip(episodes, solutions)],
+                episodes)
     for ep, call in zip(episodes, syn):
         ep.calls.append(call)
         ep.final_text = call.text

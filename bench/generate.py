@@ -114,15 +114,13 @@ def samplers(model, args, prompts, limits, slots):
     batches = [range(a, min(a + slots, len(prompts))) for a in range(0, len(prompts), slots)]
 
     def continuous():
-        gen = torch.Generator(args.device).manual_seed(1)
-        rollout.generate(model, prompts, limits, [stop], 0, temperature=temp, generator=gen,
+        rollout.generate(model, prompts, limits, [stop], 0, temperature=temp, seed=1,
                          kv_budget=budget, max_rows=slots)
 
     def lockstep():
-        gen = torch.Generator(args.device).manual_seed(1)
         for b in batches:
             rollout.generate_simple(model, [prompts[i] for i in b], [limits[i] for i in b], [stop], 0,
-                                    temperature=temp, generator=gen)
+                                    temperature=temp, seed=1, keys=list(b))
 
     def hf():
         for b in batches:

@@ -66,7 +66,7 @@ def main():
 
     def llm():
         return rollout.make_llm(policy, temperature=0.7, max_new_tokens=args.new,
-                                generator=torch.Generator(args.device).manual_seed(0),
+                                seed=0,
                                 kv_budget=None if args.kv_mib is None else int(args.kv_mib * 2**20))
 
     def single_stage():

@@ -6,7 +6,7 @@ as one process (all samples) or as a torchrun rank (its share), written to OUT/r
     torchrun --nproc-per-node 2 tests/dp_worker.py OUT fail MODEL   # train.py; rank 1 raises
 
 The ranks hold unequal numbers of calls per role; one process holds rank 0's samples, then
-rank 1's, which is the global order the ranks cut their mini-batches from.
+rank 1's, which is the global order the ranks shuffle and cut their mini-batches from.
 """
 import os
 import sys
@@ -19,6 +19,7 @@ import dynamics  # noqa: E402
 import grpo  # noqa: E402
 import parallel  # noqa: E402
 import policies  # noqa: E402
+import seeds  # noqa: E402
 from conftest import tiny_qwen3  # noqa: E402
 
 # (generator rows, aggregator rows) held by each rank
@@ -78,7 +79,9 @@ def main(out, sharing):
     hp = grpo.Hyper(temperature=0.7, mini_batch=4, token_budget=24)
     rows = parallel.every_rank_rows(comm, samples) if comm else samples
     dyn = dynamics.RoleDynamics(pol, comm=comm, damp=damp)
-    grpo.update(pol, opts, scheds, rows, hp, probe=dyn)
+    # the shuffle train.py passes: one generator per step, seeded alike on every rank
+    shuffle = torch.Generator().manual_seed(seeds.derive(0, "shuffle", 1))
+    grpo.update(pol, opts, scheds, rows, hp, shuffle=shuffle, probe=dyn)
     stats = [dyn.summary(hp)]
     rank = comm.rank if comm else 0
     torch.save({"params": {n: [p.detach().clone() for p in pol.parameters_of(n)] for n in pol.names},

@@ -185,7 +185,7 @@ def test_role_quality_without_parsers(parsers, monkeypatch):
 
 def _fake_rollout(calls_seen):
     """A stand-in rollout module: `single` is one generator call per episode."""
-    def run_episodes(llm, workflow, problems, group_size, task, **wf_params):
+    def run_episodes(llm, workflow, problems, group_size, task, stream=(), **wf_params):
         assert workflow == "single"
         eps = [Episode(p, g) for p in problems for g in range(group_size)]
         msgs = [[{"role": "user", "content": e.problem["prompt"]}] for e in eps]
@@ -201,7 +201,7 @@ def _scripted_llm(correct_per_problem):
     """Answers problem i correctly on its first c_i calls, wrongly after."""
     seen = {}
 
-    def llm(role, slots, messages_list):
+    def llm(role, slots, messages_list, keys=None):
         out = []
         for slot, msgs in zip(slots, messages_list):
             prompt = msgs[-1]["content"]

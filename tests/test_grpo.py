@@ -29,11 +29,10 @@ def make_policy(roles, sharing, seed=0):
 
 def sampled(pol, rows, seed=0, max_new=6):
     """rows: (role, slot, prompt, advantage) -> Samples with completions drawn by rollout.generate."""
-    g = torch.Generator().manual_seed(seed)
     out = []
-    for role, slot, prompt, adv in rows:
+    for k, (role, slot, prompt, adv) in enumerate(rows):
         with torch.no_grad(), pol.using(pol.adapter(role)) as m:
-            gen = rollout.generate(m, [prompt], max_new, STOP, PAD, temperature=TEMP, generator=g)
+            gen = rollout.generate(m, [prompt], max_new, STOP, PAD, temperature=TEMP, seed=seed, keys=[k])
         n = int(gen.mask[0].sum())
         out.append(grpo.Sample(role, slot, "p0", list(prompt), gen.tokens[0, :n].tolist(),
                                gen.logprobs[0, :n].tolist(), bool(gen.finished[0]), 1.0, adv))
@@ -198,9 +197,8 @@ def test_micro_batches_respect_the_token_budget():
 def test_recomputed_logprobs_equal_sampler_logprobs():
     pol = make_policy(("generator",), "shared")
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [13], [14, 15, 16, 17], [3, 4, 5]]
-    g = torch.Generator().manual_seed(3)
     with torch.no_grad(), pol.using("shared") as m:
-        gen = rollout.generate(m, prompts, 12, STOP, PAD, temperature=TEMP, generator=g)
+        gen = rollout.generate(m, prompts, 12, STOP, PAD, temperature=TEMP, seed=3)
     lens = gen.mask.sum(1).tolist()
     assert len(set(lens)) > 1  # some rows stopped early: right padding is exercised
     S = [grpo.Sample("generator", "generator", "p", p, gen.tokens[i, :n].tolist(), gen.logprobs[i, :n].tolist(),

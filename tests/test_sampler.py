@@ -4,7 +4,14 @@ import pytest
 import torch
 
 import rollout
+import seeds
 from conftest import tiny_qwen3
+
+
+def uniforms(n, seed=0):
+    """n float64 uniforms in [0, 1), one per row, as generate draws them."""
+    return seeds.uniforms(seed, torch.arange(n), torch.zeros(n, dtype=torch.long))
+
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [20]]
 STOP, PAD = [1, 2], 2
@@ -42,8 +49,7 @@ def teacher_forced_logprobs(m, prompt, completion, temperature):
 
 def test_sampler_logprobs_equal_teacher_forced_recompute():
     m = tiny_qwen3(seed=2)
-    gen = torch.Generator().manual_seed(0)
-    g = rollout.generate(m, PROMPTS, 10, stop_ids=STOP, pad_id=PAD, temperature=0.7, generator=gen)
+    g = rollout.generate(m, PROMPTS, 10, stop_ids=STOP, pad_id=PAD, temperature=0.7, seed=0)
     for i, p in enumerate(PROMPTS):
         comp = g.tokens[i][g.mask[i]].tolist()
         ref = teacher_forced_logprobs(m, p, comp, 0.7)
@@ -83,8 +89,8 @@ def test_second_stop_id_also_stops():
 def test_same_seed_same_output_and_group_rows_differ():
     m = tiny_qwen3(seed=3)
     group = [PROMPTS[0]] * 16
-    a = rollout.generate(m, group, 8, STOP, PAD, temperature=1.0, generator=torch.Generator().manual_seed(7))
-    b = rollout.generate(m, group, 8, STOP, PAD, temperature=1.0, generator=torch.Generator().manual_seed(7))
+    a = rollout.generate(m, group, 8, STOP, PAD, temperature=1.0, seed=7)
+    b = rollout.generate(m, group, 8, STOP, PAD, temperature=1.0, seed=7)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
     assert len(set(a.tokens[:, 0].tolist())) > 1  # each row samples its own first token
 
@@ -92,8 +98,8 @@ def test_same_seed_same_output_and_group_rows_differ():
 def test_prefix_sharing_gives_the_same_result_as_separate_prefill():
     m = tiny_qwen3(seed=4)
     prompts = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 2 + [PROMPTS[0]]
-    a = rollout.generate(m, prompts, 8, STOP, PAD, temperature=0.7, generator=torch.Generator().manual_seed(1))
-    b = rollout.generate(m, prompts, 8, STOP, PAD, temperature=0.7, generator=torch.Generator().manual_seed(1),
+    a = rollout.generate(m, prompts, 8, STOP, PAD, temperature=0.7, seed=1)
+    b = rollout.generate(m, prompts, 8, STOP, PAD, temperature=0.7, seed=1,
                          share_prefix=False)
     assert torch.equal(a.tokens, b.tokens)
     assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
@@ -101,9 +107,9 @@ def test_prefix_sharing_gives_the_same_result_as_separate_prefill():
 
 def test_top_p_restricts_to_the_nucleus():
     logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]] * 2000)
-    ids, _ = rollout.sample_next(logits, 1.0, 0.5, torch.Generator().manual_seed(0))
+    ids, _ = rollout.sample_next(logits, 1.0, 0.5, uniforms(len(logits)))
     assert set(ids.tolist()) == {0}  # token 0 alone holds > 0.5 of the mass
-    ids, lp = rollout.sample_next(logits, 1.0, 1.0, torch.Generator().manual_seed(0))
+    ids, lp = rollout.sample_next(logits, 1.0, 1.0, uniforms(len(logits)))
     freq = torch.bincount(ids, minlength=4).float() / len(ids)
     assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
     assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1))
@@ -155,8 +161,7 @@ def test_greedy_in_a_small_budget_matches_hf_generate_alone():
 
 def test_logprobs_in_a_small_budget_equal_teacher_forced_recompute():
     m = tiny_qwen3(seed=2)
-    gen = torch.Generator().manual_seed(0)
-    g = rollout.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, generator=gen, kv_budget=budget_for(m, 4))
+    g = rollout.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, seed=0, kv_budget=budget_for(m, 4))
     for i, p in enumerate(MANY):
         comp = g.tokens[i][g.mask[i]].tolist()
         assert len(comp) >= 1
@@ -173,8 +178,7 @@ def test_identical_prompts_prefilled_once_across_refills():
     runs = {}
     for share in (True, False):
         stats = {}
-        gen = torch.Generator().manual_seed(1)
-        runs[share] = rollout.generate(m, prompts, limits, STOP, PAD, temperature=1.0, generator=gen,
+        runs[share] = rollout.generate(m, prompts, limits, STOP, PAD, temperature=1.0, seed=1,
                                        share_prefix=share, kv_budget=budget, stats=stats)
         assert stats["slots"] == 4
         assert stats["prefill_rows"] == (3 if share else 15)
@@ -227,7 +231,7 @@ def test_kv_memory_held_never_exceeds_the_budget():
             budget, stats = budget_for(m, rows), {}
             held.clear()
             rollout.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, kv_budget=budget, stats=stats,
-                             generator=torch.Generator().manual_seed(0))
+                             seed=0)
             assert held and max(held) <= budget
             assert max(held) > budget * (rows - 1) / rows  # the budget is used, not wasted
             assert stats["kv_bytes"] == max(held) and stats["slots"] == rows
@@ -262,9 +266,9 @@ def test_top_p_exact_tie_keeps_only_the_smallest_prefix():
     # regression (issue 15 item 13): mass 0.5 is reached by token 0 alone, so token 1 must not
     # be drawn; with `cumsum - p > top_p` it was, about a third of the time
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]] * 3000))
-    ids, _ = rollout.sample_next(logits, 1.0, 0.5, torch.Generator().manual_seed(0))
+    ids, _ = rollout.sample_next(logits, 1.0, 0.5, uniforms(len(logits)))
     assert set(ids.tolist()) == {0}
-    ids, _ = rollout.sample_next(logits, 1.0, 0.75, torch.Generator().manual_seed(0))
+    ids, _ = rollout.sample_next(logits, 1.0, 0.75, uniforms(len(logits)))
     assert set(ids.tolist()) == {0, 1}
 
 
@@ -315,7 +319,7 @@ def test_generate_equals_generate_simple_greedy_through_refills(build, seed):
 def test_generate_simple_is_seeded_and_its_logprobs_equal_teacher_forced_recompute():
     m = tiny_qwen3(seed=2)
     a, b = (rollout.generate_simple(m, MANY, LIMITS, STOP, PAD, temperature=0.7,
-                                    generator=torch.Generator().manual_seed(0)) for _ in range(2))
+                                    seed=0) for _ in range(2))
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
     assert torch.equal(a.mask, b.mask) and torch.equal(a.finished, b.finished)
     assert a.finished.any() and not a.finished.all()  # pad == a stop id here: the mask tells them apart
@@ -324,3 +328,102 @@ def test_generate_simple_is_seeded_and_its_logprobs_equal_teacher_forced_recompu
         assert 1 <= len(comp) <= LIMITS[i]
         assert torch.allclose(a.logprobs[i][a.mask[i]], teacher_forced_logprobs(m, p, comp, 0.7), atol=1e-5)
         assert (a.logprobs[i][~a.mask[i]] == 0).all() and (a.tokens[i][~a.mask[i]] == PAD).all()
+
+
+# ----------------------------------------------------------------------------- draws keyed by the row
+
+@pytest.mark.parametrize("build,seed", [(tiny_qwen3, 0), (tiny_llama, 0)])
+def test_sampling_equals_generate_simple_token_for_token_whatever_the_slots(build, seed):
+    # temperature 0.7 and top-p 0.9: each row's draws are keyed by (seed, its key, position),
+    # so neither the slot a row gets, nor the refills, nor the rows beside it change a token
+    m = build(seed=seed)
+    keys = [seeds.key("problem", i // 2, i % 2) for i in range(len(MANY))]
+    simple = rollout.generate_simple(m, MANY, LIMITS, STOP, PAD, temperature=0.7, top_p=0.9, seed=5, keys=keys)
+    for rows in (1, 3, None):
+        fast = rollout.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, top_p=0.9, seed=5, keys=keys,
+                                kv_budget=None if rows is None else budget_for(m, rows))
+        assert_same_generation(fast, simple)
+    # a row alone, or among the others in another order, samples the same tokens
+    order = list(reversed(range(len(MANY))))
+    rev = rollout.generate(m, [MANY[i] for i in order], [LIMITS[i] for i in order], STOP, PAD, temperature=0.7,
+                           top_p=0.9, seed=5, keys=[keys[i] for i in order], kv_budget=budget_for(m, 2))
+    for j, i in enumerate(order):
+        n = int(simple.mask[i].sum())
+        assert torch.equal(rev.tokens[j, :n], simple.tokens[i, :n])
+    alone = rollout.generate(m, [MANY[4]], [LIMITS[4]], STOP, PAD, temperature=0.7, top_p=0.9, seed=5, keys=[keys[4]])
+    assert torch.equal(alone.tokens[0, :int(alone.mask[0].sum())], simple.tokens[4, :int(simple.mask[4].sum())])
+    other = rollout.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, top_p=0.9, seed=6, keys=keys)
+    assert not torch.equal(other.tokens, simple.tokens)   # the seed does change the draws
+
+
+def test_the_integer_mixer_equals_its_plain_integer_version():
+    import random
+    xs = [random.Random(0).getrandbits(64) for _ in range(500)] + [0, 1, (1 << 64) - 1, 1 << 63]
+    t = torch.tensor([x - (1 << 64) if x >= 1 << 63 else x for x in xs], dtype=torch.long)
+    assert [v & seeds.M64 for v in seeds.splitmix64_t(t).tolist()] == [seeds.splitmix64(x) for x in xs]
+    assert seeds.key("train", 3, "p", 0, 2) == seeds.key("train", 3, "p", 0, 2) != seeds.key("train", 3, "p", 0, 1)
+
+
+def chi_square_p(observed, expected):
+    """p-value of Pearson's chi-square statistic (Wilson-Hilferty's normal approximation of its
+    distribution, good for the 50+ degrees of freedom used here)."""
+    import math
+    x2 = float(((observed - expected) ** 2 / expected).sum())
+    k = len(observed) - 1
+    z = ((x2 / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+V = 151_936   # Qwen3's vocabulary
+
+
+def qwen_sized_logits(kind):
+    g = torch.Generator().manual_seed(3)
+    if kind == "flat":
+        return torch.randn(V, generator=g) * 0.1
+    logits = torch.randn(V, generator=g) * 2.0    # peaked: a few tokens hold most of the mass
+    logits[torch.randperm(V, generator=g)[:5]] += 14.0
+    return logits
+
+
+def equal_mass_bins(p, n, least=20):
+    """Consecutive runs of tokens, each expected at least `least` times in n draws: (start of
+    each run, the mass of each run)."""
+    starts, masses, acc = [0], [], 0.0
+    for v, x in enumerate(p.tolist()):
+        acc += x
+        if acc * n >= least and v + 1 < len(p):
+            starts.append(v + 1)
+            masses.append(acc)
+            acc = 0.0
+    masses.append(acc)
+    if masses[-1] * n < least:   # the last run joins the one before
+        starts.pop()
+        masses[-2:] = [masses[-2] + masses[-1]]
+    return torch.tensor(starts), torch.tensor(masses, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["flat", "peaked"])
+def test_the_draw_is_the_exact_distribution_over_a_qwen3_vocabulary(kind):
+    logits = qwen_sized_logits(kind)[None]                                    # (1, V) fp32
+    exact = torch.softmax(logits.double() / 0.7, -1)[0]                       # the float64 softmax
+    # the probabilities the draw implements, with its own arithmetic: token v is taken when
+    # c[v-1] <= u c[-1] < c[v], c the cumsum of the probabilities sample_next draws from
+    probs = torch.softmax(logits.double() / 0.7, dim=-1)                      # as in sample_next
+    c = probs.cumsum(-1)                                                       # as in rollout._draw
+    implemented = torch.diff(c[0], prepend=c.new_zeros(1)) / c[0, -1]
+    assert float((implemented - exact).abs().max()) < 1e-12
+    assert bool((implemented > 0).all())                                      # every token can be drawn
+    # draws with the sampler's own uniforms, counted in runs of tokens of equal expected mass
+    n = 100_000
+    u = seeds.uniforms(11, torch.arange(n), torch.zeros(n, dtype=torch.long))
+    ids = rollout.inverse_cdf(c, u[None])[0]                                  # (n,)
+    starts, mass = equal_mass_bins(exact, n)
+    observed = torch.bincount(torch.bucketize(ids, starts, right=True) - 1, minlength=len(starts)).double()
+    p = chi_square_p(observed, mass * n)
+    print(f"{kind}: chi-square p = {p:.3f} over {len(starts)} bins of {n} draws")
+    assert p > 1e-3
+    # the whole path: sample_next draws the same tokens, with the logprob of the scaled softmax
+    ids2, lp = rollout.sample_next(logits.expand(200, V), 0.7, 1.0, u[:200])
+    assert torch.equal(ids2, ids[:200])
+    assert torch.allclose(lp, torch.log(exact[ids2]).float(), atol=1e-5)

@@ -5,9 +5,11 @@ Anything that needs a built model builds it with tiny settings (2 steps, batch 4
 temporary cache, never the default warm start. The sandbox is used for a few code problems
 only. CPU, offline, about 10 s: `python -m pytest -q tests/test_toy.py`.
 """
+import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 
@@ -405,7 +407,7 @@ def test_model_folder_is_cached_and_keyed_by_every_setting(built, monkeypatch):
     mtime = os.path.getmtime(config)
     # only the finished folder is there: no .tmp build folder left behind (checked before any
     # further call, since a new build attempt clears its own stale .tmp first)
-    assert os.listdir(os.path.join(cache, "toy")) == [os.path.basename(folder)]
+    assert _entries(cache) == [os.path.basename(folder)]
 
     def no_build(task, warm, quiet=False):
         raise RuntimeError(f"rebuild {task} {warm}")
@@ -426,8 +428,86 @@ def test_model_folder_is_cached_and_keyed_by_every_setting(built, monkeypatch):
     assert toy._key("math", {**toy.WARM, **TINY}) != toy._key("math", {**toy.WARM, **TINY, "lr": 1e-3})
     assert toy._key("math", {**toy.WARM, **TINY}) != toy._key("code", {**toy.WARM, **TINY})
     # failed rebuild attempts leave nothing behind and do not touch the cached folder
-    assert os.listdir(os.path.join(cache, "toy")) == [os.path.basename(folder)]
+    assert _entries(cache) == [os.path.basename(folder)]
     assert os.path.isfile(config)
+
+
+def _entries(cache):
+    """What the toy cache holds, but for the lock files builders and readers share."""
+    return sorted(n for n in os.listdir(os.path.join(cache, "toy")) if not n.endswith(".lock"))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_ENV = {"OMP_NUM_THREADS": "1", "MARL_TOY_WARM": json.dumps(TINY), "PYTHONPATH": ROOT}
+
+# a toy build whose publish pauses (PAUSE: after moving the old model aside) or dies (KILL: by
+# SIGKILL at that point, or inside the delete of the old model)
+BUILDER = """
+import os, shutil, signal, sys, time
+import toy
+point = sys.argv[1]
+real_replace, real_rmtree = os.replace, shutil.rmtree
+
+
+def replace(a, b):
+    real_replace(a, b)
+    if ".old" in str(b):   # the complete model moved aside: the middle of the publish
+        print("aside", flush=True)
+        if point == "pause":
+            time.sleep(3)
+        elif point == "kill-aside":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rmtree(path, *a, **k):
+    if point == "kill-delete" and ".old" in str(path) and os.path.isdir(path):
+        os.remove(os.path.join(path, "config.json"))   # halfway through deleting the old model
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_rmtree(path, *a, **k)
+
+
+os.replace, shutil.rmtree = replace, rmtree
+print(toy.model_folder("math", force=point != "build", quiet=True), flush=True)
+"""
+
+
+def builder(cache, point):
+    return subprocess.Popen([sys.executable, "-c", BUILDER, point], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **TINY_ENV, "MARL_CACHE": cache})
+
+
+def test_processes_that_need_the_toy_model_at_once_build_it_once(tmp_path):
+    cache = str(tmp_path)
+    procs = [builder(cache, "build") for _ in range(3)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outs]
+    assert sum(err.count("toy: building") for _, err in outs) == 1
+    assert len({out.strip() for out, _ in outs}) == 1 and _entries(cache) == [os.path.basename(outs[0][0].strip())]
+
+
+def test_a_reader_in_the_middle_of_a_rebuild_loads_a_whole_model(tmp_path, monkeypatch):
+    cache = str(tmp_path)
+    first = builder(cache, "build")
+    assert first.wait(timeout=240) == 0
+    second = builder(cache, "pause")          # a forced rebuild, paused inside its publish
+    assert second.stdout.readline().strip() == "aside"
+    monkeypatch.setattr(toy, "CACHE", cache)
+    monkeypatch.setenv("MARL_TOY_WARM", json.dumps(TINY))
+    model, tok = policies.load("toy")          # waits for the publish, then loads the new model
+    assert model.config.vocab_size == len(tok) and second.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("point", ["kill-aside", "kill-delete"])
+def test_a_kill_inside_a_publish_leaves_a_cache_the_next_run_uses_or_rebuilds(tmp_path, monkeypatch, point):
+    cache = str(tmp_path)
+    assert builder(cache, "build").wait(timeout=240) == 0
+    dying = builder(cache, point)
+    assert dying.wait(timeout=240) == -signal.SIGKILL
+    monkeypatch.setattr(toy, "CACHE", cache)
+    monkeypatch.setenv("MARL_TOY_WARM", json.dumps(TINY))
+    model, tok = policies.load("toy")
+    assert model.config.vocab_size == len(tok)
+    assert len(_entries(cache)) == 1 or point == "kill-delete"   # at most a deleted model's leftover
 
 
 def test_model_folder_rejects_a_bad_task(tmp_path, monkeypatch):

@@ -35,11 +35,13 @@ class FakeLLM:
 
     def __init__(self, **replies):
         self.replies = {k: list(v) if isinstance(v, list) else v for k, v in replies.items()}
-        self.log = []
+        self.log, self.keys = [], []
 
-    def __call__(self, role, slots, messages_list):
+    def __call__(self, role, slots, messages_list, keys=None):
         assert len(slots) == len(messages_list) > 0, "a stage must not be empty"
+        assert keys is not None and len(keys) == len(slots), "every row of a stage is named"
         self.log.append((role, list(slots), messages_list))
+        self.keys.append(list(keys))
         calls = []
         for slot, msgs in zip(slots, messages_list):
             r = self.replies[role]
@@ -449,7 +451,7 @@ def test_run_workflow_validates_name_and_task():
 
 
 def test_llm_returning_the_wrong_number_of_calls_is_an_error():
-    bad = lambda role, slots, msgs: [Call(role=role, slot=slots[0], messages=msgs[0], text="x")]
+    bad = lambda role, slots, msgs, keys=None: [Call(role=role, slot=slots[0], messages=msgs[0], text="x")]
     with pytest.raises(RuntimeError, match="1 calls for 2 generator prompts"):
         W.single(episodes_for("math", 2), bad, "math")
 
