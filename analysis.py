@@ -393,7 +393,7 @@ def analyse_run(folder: str, cliff_drop: float = CLIFF_DROP, cliff_window: int =
            "finished": run["finished"], "workflow": cfg.get("workflow"), "task": _task_label(cfg),
            "scale": cfg.get("scale"), "sharing": cfg.get("sharing"), "seed": cfg.get("seed"), "lr": cfg.get("lr"),
            "steps_logged": run["metrics"][-1]["step"] if run["metrics"] else 0,
-           "steps_planned": cfg.get("steps")}
+           "steps_planned": cfg.get("steps"), "variant": "", "config": cfg}
     out.update(accuracy_summary(run["evals"], cliff_drop, cliff_window))
     out["mechanisms"] = m = mechanisms(run["metrics"], run["evals"])
     out["pre_cliff"] = before_cliff(run["metrics"], run["evals"], out["cliff_step"], pre_cliff_steps)
@@ -404,7 +404,37 @@ def analyse_run(folder: str, cliff_drop: float = CLIFF_DROP, cliff_window: int =
 
 # ----------------------------------------------------------------------------- cells
 
-CELL_KEYS = ("workflow", "task", "scale", "sharing", "lr")
+CELL_KEYS = ("workflow", "task", "scale", "sharing", "lr", "variant")
+# flags that do not change what a run computes: runs differing only in these (and the seed)
+# are seeds of one cell; any other difference makes another cell (its `variant`)
+SAME_RUN = ("seed", "out", "resume", "device", "quiet", "log_to", "kv_budget_gb", "max_rows", "samples_every",
+            "save_every")
+CELL_CONFIG = ("workflow", "task", "data", "scale", "sharing", "lr")   # in the cell key already
+
+
+def _flag_value(v) -> str:
+    if isinstance(v, dict):
+        return ",".join(f"{k}={x:g}" if is_num(x) else f"{k}={x}" for k, x in sorted(v.items())) or "none"
+    return "none" if v is None else f"{v:g}" if is_num(v) and not isinstance(v, bool) else str(v)
+
+
+def label_variants(summaries: list) -> list:
+    """Set each summary's `variant`: the flags (with this run's values) in which runs of the same
+    workflow, task, scale, sharing and lr differ, beyond the seed and SAME_RUN, e.g.
+    "kl-coef-role aggregator=0.1"; "" where they differ in nothing. Runs of one cell are then
+    exactly the runs whose configurations differ only in the seed."""
+    groups = defaultdict(list)
+    for s in summaries:
+        groups[tuple(s.get(k) for k in CELL_KEYS[:-1])].append(s)
+    for group in groups.values():
+        cfgs = [{k: v for k, v in (s.get("config") or {}).items() if k not in SAME_RUN + CELL_CONFIG} for s in group]
+        keys = sorted(set().union(*cfgs))
+        differ = [k for k in keys if len({json.dumps(c.get(k), sort_keys=True) for c in cfgs}) > 1]
+        for s, c in zip(group, cfgs):
+            s["variant"] = ", ".join(f"{k.replace('_', '-')} {_flag_value(c.get(k))}" for k in differ)
+    return summaries
+
+
 CELL_STATS = ("base_acc", "peak_acc", "final_acc", "gain_final", "gain_peak")
 
 
@@ -419,18 +449,24 @@ def _stats(xs: list) -> dict | None:
 
 
 def cell_order(key: tuple) -> tuple:
-    """Cells by task, then workflows in registry order, shared before isolated, lr ascending."""
-    wf, task, scale, sharing, lr = key
+    """Cells by task, then workflows in registry order, shared before isolated, lr ascending,
+    then variant."""
+    wf, task, scale, sharing, lr, variant = (*key, "")[:6]
     wfs = list(workflows.WORKFLOWS)
     return (str(task), wfs.index(wf) if wf in wfs else len(wfs), str(wf), str(scale),
-            sharing_order(sharing), lr if is_num(lr) else math.inf)
+            sharing_order(sharing), lr if is_num(lr) else math.inf, str(variant or ""))
+
+
+def cell_key(s: dict) -> tuple:
+    return tuple(s.get(k) or "" if k == "variant" else s.get(k) for k in CELL_KEYS)
 
 
 def cells(summaries: list) -> list:
-    """Runs grouped by (workflow, task, scale, sharing, lr): the seeds of one cell."""
+    """Runs grouped by (workflow, task, scale, sharing, lr, variant): the seeds of one cell
+    (label_variants sets the variant)."""
     groups = defaultdict(list)
     for s in summaries:
-        groups[tuple(s.get(k) for k in CELL_KEYS)].append(s)
+        groups[cell_key(s)].append(s)
     out = []
     for key in sorted(groups, key=cell_order):
         ss = groups[key]
@@ -502,7 +538,8 @@ def run_legend(cliff_drop: float = CLIFF_DROP, cliff_window: int = CLIFF_WINDOW)
 def _cell_label(s: dict) -> str:
     sharing = {"shared": "shr", "isolated": "iso"}.get(s["sharing"], s["sharing"] or "-")
     lr = f"/{lr_label(s['lr'])}" if s.get("lr") is not None else ""
-    return f"{s['workflow'] or '-'}/{s['task'] or '-'}/{sharing}{lr}"
+    variant = f" [{s['variant']}]" if s.get("variant") else ""
+    return f"{s['workflow'] or '-'}/{s['task'] or '-'}/{sharing}{lr}{variant}"
 
 
 def run_rows(summaries: list) -> list:
@@ -579,15 +616,23 @@ def _stat(st, sign=False, spread=True, rng=False) -> str:
 
 
 CELL_HEADERS = ["workflow", "task", "scale", "sharing", "lr", "seeds", "base", "peak", "final", "final-base",
-                "peak-base", "cliffs"]
-CELL_LEGEND = "accuracy %, mean over seeds (±sd); cliffs = runs with a terminal cliff / runs"
+                "peak-base", "cliffs", "variant"]
+CELL_LEGEND = "accuracy %, mean over seeds (±sd); cliffs = runs with a cliff / runs; variant = the flags that set it apart"
+
+
+def cell_table(summaries: list, report: bool = False) -> tuple:
+    """(headers, rows) of the cell table, the variant column only when some cell has one."""
+    rows = cell_rows(summaries, report)
+    if all(r[-1] == "-" for r in rows):
+        return CELL_HEADERS[:-1], [r[:-1] for r in rows]
+    return CELL_HEADERS, rows
 
 
 def cell_rows(summaries: list, report: bool = False) -> list:
-    """One row per (workflow, task, scale, sharing, lr); gains with ±sd (and min..max in the report)."""
+    """One row per (workflow, task, scale, sharing, lr, variant); gains with ±sd (and min..max in the report)."""
     return [[c["workflow"] or "-", c["task"] or "-", scale_label(c["scale"]), c["sharing"] or "-", lr_label(c["lr"]),
              str(c["n"]), *(_stat(c[k], spread=report, rng=report) for k in CELL_STATS[:3]),
-             *(_stat(c[k], True, rng=report) for k in CELL_STATS[3:]), f"{c['cliffs']}/{c['n']}"]
+             *(_stat(c[k], True, rng=report) for k in CELL_STATS[3:]), f"{c['cliffs']}/{c['n']}", c["variant"] or "-"]
             for c in cells(summaries)]
 
 
@@ -673,7 +718,7 @@ def _intro(cliff_drop: float, cliff_window: int) -> list:
 
 def _cells_section(summaries: list) -> list:
     return ["## Cells", "", CELL_LEGEND + "; (min..max) over seeds.", "",
-            md_table(CELL_HEADERS, cell_rows(summaries, report=True)), ""]
+            md_table(*cell_table(summaries, report=True)), ""]
 
 
 def _pre_cliff_section(summaries: list) -> list:

@@ -371,7 +371,7 @@ def _checkpoint_config(checkpoint: str, run_dir: str) -> dict:
 
 RUN_SETTINGS = ("workflow", "task", "scale", "sharing", "isolation", "max_new_tokens", "max_prompt_tokens",
                 "max_embed_tokens")
-FALLBACKS = {"scale": "toy", "sharing": "shared", "isolation": "lora"}
+FALLBACKS = {"scale": "toy", "sharing": "shared", "isolation": "lora", "task": "math"}
 
 
 def resolve_settings(args) -> tuple:
@@ -384,13 +384,14 @@ def resolve_settings(args) -> tuple:
         notes += [note] if note else []
         cfg = _checkpoint_config(checkpoint, run_dir)
     st = {k: getattr(args, k) if getattr(args, k) is not None else cfg.get(k, FALLBACKS.get(k)) for k in RUN_SETTINGS}
-    if not st["workflow"] or not st["task"]:
-        raise ValueError("give --workflow and --task, or --checkpoint of a run that has them in its config.json")
+    if not st["workflow"]:
+        raise ValueError("give --workflow, or --checkpoint of a run that has one in its config.json")
     run_data = cfg.get("eval_data") or cfg.get("data")
     st.update(checkpoint=checkpoint, data=args.data or run_data or tasks.default_data(st["scale"], st["task"]),
               lora_rank=int(cfg.get("lora_rank", 64)), lora_alpha=float(cfg.get("lora_alpha", 32.0)))
     # scoring a run on its own evaluation set: the same subset, so the number compares with eval.jsonl
     st["problems"] = args.problems or (cfg.get("eval_problems") if run_data and st["data"] == run_data else None)
+    st.update(_draws(args, cfg, checkpoint))
     default_new, default_prompt, default_embed = tasks.length_limits(st["scale"], st["task"])
     st["max_new_tokens"] = st["max_new_tokens"] or default_new
     st["max_prompt_tokens"] = st["max_prompt_tokens"] or default_prompt
@@ -399,6 +400,24 @@ def resolve_settings(args) -> tuple:
     if taken:
         notes.append(f"from {os.path.join(run_dir, 'config.json')}: " + ", ".join(f"{k} {st[k]}" for k in taken))
     return st, notes
+
+
+def _draws(args, cfg: dict, checkpoint) -> dict:
+    """The sampler's seed and stream, and the rollout batch. A checkpoint of a run is scored
+    with the draws its run's evaluation at that step took (the run's --seed, stream ("eval",
+    step)) and the run's batch of episodes, so its pass@1 is the one eval.jsonl holds for the
+    same problems; --seed chooses other draws. A base model: --seed (default 0), step 0."""
+    step = None
+    if checkpoint and os.path.isfile(os.path.join(checkpoint, "state.pt")) and "seed" in cfg:
+        import torch
+        step = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=False)["step"]
+    seed = args.seed if args.seed is not None else cfg.get("seed", 0) if step is not None else 0
+    batch = args.batch_size or (cfg["problems_per_step"] * cfg["group_size"] if step is not None and
+                                "problems_per_step" in cfg else 16)
+    same = step is not None and seed == cfg.get("seed")
+    note = (f"draws: seed {seed}, those of the run's evaluation at step {step}" + (" (its eval.jsonl line)" if same else "")
+            if step is not None else f"draws: seed {seed}")
+    return {"seed": seed, "stream": ("eval", step or 0), "batch_size": batch, "draws_note": note}
 
 
 def load_problems(data: str, kind: str, n: int | None, seed: int) -> tuple:
@@ -413,15 +432,22 @@ def load_problems(data: str, kind: str, n: int | None, seed: int) -> tuple:
     return tasks.load_task(data, "test", n, seed), None
 
 
+def _check_toy_data(st: dict) -> None:
+    """The toy model's character tokenizer knows only the toy tasks, as train.py says too."""
+    if st["scale"] == "toy" and st["data"] not in ("toy_math", "toy_code"):
+        raise ValueError(f"--data {st['data']}: the toy model and its character tokenizer only know the toy tasks "
+                         "(toy_math, toy_code); for real data pass a real model, e.g. --scale 0.6b or a model folder")
+
+
 def _make_llm(args, st: dict, kind: str):
     import policies
     import rollout
-    model, tokenizer = policies.load(st["scale"], device=args.device, toy_task=kind)
+    model, tokenizer = policies.load(st["scale"], device=args.device, toy_task=kind, quiet=args.quiet or args.json)
     policy = policies.Policy(model, tokenizer, workflows.ROLES[st["workflow"]], st["sharing"],
                              isolation=st["isolation"], rank=st["lora_rank"], alpha=st["lora_alpha"])
     if st["checkpoint"]:
         policy.load_adapters(st["checkpoint"])
-    return rollout.make_llm(policy, temperature=args.temperature, top_p=1.0, seed=args.seed,
+    return rollout.make_llm(policy, temperature=args.temperature, top_p=1.0, seed=st["seed"],
                             max_new_tokens=st["max_new_tokens"], max_prompt_tokens=st["max_prompt_tokens"],
                             max_embed_tokens=st["max_embed_tokens"], kv_budget=rollout.default_kv_budget(args.device))
 
@@ -458,15 +484,19 @@ def _evaluate_cli(args):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         st, notes = resolve_settings(args)
-        problems, note = load_problems(st["data"], st["task"], st["problems"], args.seed)
+        _check_toy_data(st)
+        # the run's evaluation set is a fixed subset (seed 0, as train.py draws it)
+        problems, note = load_problems(st["data"], st["task"], st["problems"], 0)
         llm = _make_llm(args, st, st["task"])
     except (ValueError, RuntimeError, OSError, ImportError, KeyError) as e:
         raise SystemExit(f"error: {e}")
-    for n in notes + ([note] if note else []):
-        print(n, file=sys.stderr)
-    res = evaluate(llm, st["workflow"], problems, st["task"], samples=args.samples, batch_size=args.batch_size,
-                   progress=not args.json)
+    for n in notes + ([note] if note else []) + [st["draws_note"]]:
+        if not args.quiet:
+            print(n, file=sys.stderr)
+    res = evaluate(llm, st["workflow"], problems, st["task"], samples=args.samples, batch_size=st["batch_size"],
+                   progress=not (args.json or args.quiet), stream=st["stream"])
     res.update(scale=st["scale"], checkpoint=st["checkpoint"], data=st["data"], temperature=args.temperature,
+               seed=st["seed"], stream=list(st["stream"]),
                sharing=st["sharing"], isolation=st["isolation"], max_new_tokens=st["max_new_tokens"],
                max_prompt_tokens=st["max_prompt_tokens"])
     if args.json:
@@ -499,8 +529,8 @@ def analyse_runs(folders: list, cliff_drop: float = analysis.CLIFF_DROP, cliff_w
         for note in notes:  # e.g. a shell glob that also caught report.md
             print(f"skipped: {note}", file=sys.stderr)
     runs = {f: analysis.load_run(f, quiet) for f in folders}
-    summaries = [analysis.analyse_run(f, cliff_drop, cliff_window, run=runs[f], pre_cliff_steps=pre_cliff_steps)
-                 for f in folders]
+    summaries = analysis.label_variants([analysis.analyse_run(f, cliff_drop, cliff_window, run=runs[f],
+                                                              pre_cliff_steps=pre_cliff_steps) for f in folders])
     figures = _write_plots(summaries, runs, report, quiet) if plots else []
     if report:
         analysis.write_report(summaries, report, cliff_drop, cliff_window, figures)
@@ -528,11 +558,11 @@ def _analyse_cli(args):
                           "cliff_rule": analysis.CLIFF_RULE, "runs": summaries, "cells": analysis.cells(summaries),
                           "figures": figures}, indent=1))
         return
-    tables = ((analysis.run_legend(args.cliff_drop, args.cliff_window), analysis.RUN_HEADERS, analysis.run_rows),
-              (analysis.CELL_LEGEND, analysis.CELL_HEADERS, analysis.cell_rows),
-              (analysis.TERM_MECH_LEGEND, analysis.TERM_MECH_HEADERS, analysis.terminal_mechanism_rows))
+    tables = ((analysis.run_legend(args.cliff_drop, args.cliff_window), analysis.RUN_HEADERS, analysis.run_rows(summaries)),
+              (analysis.CELL_LEGEND, *analysis.cell_table(summaries)),
+              (analysis.TERM_MECH_LEGEND, analysis.TERM_MECH_HEADERS, analysis.terminal_mechanism_rows(summaries)))
     for legend, headers, rows in tables:
-        print(analysis.text_table(headers, rows(summaries)))
+        print(analysis.text_table(headers, rows))
         print(legend + "\n")
     written = sum(len(s["plots"]) for s in summaries)
     if written:
@@ -550,8 +580,9 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _parser():
-    p = argparse.ArgumentParser(
-        description="Evaluate a workflow (--workflow/--task/--scale, or --checkpoint) or analyse run folders (--runs).",
+    from flags import Parser   # one-line errors, as train.py's
+    p = Parser(
+        prog="eval.py", description="Evaluate a workflow (--workflow/--task/--scale, or --checkpoint) or analyse run folders (--runs).",
         epilog=f"Terminal cliff: {analysis.CLIFF_RULE}. Both --runs and --report write PNG plots (acc.png, grad.png, "
                "length.png into each run folder; with --report also the map and per-cell figures next to the "
                "report); --no-plots writes none. Run-folder format: docs/RUNFOLDER.md.",
@@ -572,7 +603,7 @@ def _parser():
     e.add_argument("--checkpoint", default=None, help="a run folder (its ckpt-best, else ckpt-last) or RUN/ckpt-N; "
                    "unset evaluates the base model")
     e.add_argument("--workflow", choices=sorted(workflows.WORKFLOWS), help="workflow to evaluate")
-    e.add_argument("--task", choices=workflows.TASKS, help="task kind")
+    e.add_argument("--task", choices=workflows.TASKS, help="task kind (default: the checkpoint run's, else math)")
     e.add_argument("--data", default=None, help="data set name or .jsonl file (tasks.py); unset: the run's "
                    "--eval-data or --data, else toy_TASK at --scale toy, dapo_math / deepcoder otherwise")
     e.add_argument("--scale", default=None, help="toy, 0.6b, 1.7b, 4b, or a local model folder (default: toy)")
@@ -581,7 +612,8 @@ def _parser():
     e.add_argument("--samples", type=int, default=1, help="episodes per problem; > 1 adds unbiased pass@k")
     e.add_argument("--problems", type=int, default=None, help="test problems to draw (capped at the split's size); "
                    "unset: the run's evaluation set, else the whole test split")
-    e.add_argument("--batch-size", type=int, default=16, help="problems per rollout batch")
+    e.add_argument("--batch-size", type=int, default=None, help="problems per rollout batch (default: the checkpoint "
+                   "run's episodes per step, else 16; the draws do not depend on it)")
     e.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (the paper's 0.7)")
     e.add_argument("--max-new-tokens", type=int, default=None, help="completion length limit per call (default: "
                    "tasks.length_limits: 48 at --scale toy, the paper's 5120 math / 2048 code)")
@@ -591,8 +623,11 @@ def _parser():
                    help="tokens kept of a solution embedded in a later prompt (default: the checkpoint run's, "
                    "else none at --scale toy, else tasks.MAX_EMBED_TOKENS)")
     e.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    e.add_argument("--seed", type=int, default=0, help="seed of the sampler and the test subset")
+    e.add_argument("--seed", type=int, default=None, help="seed of the sampler's draws (default: the checkpoint run's "
+                   "--seed, so that a checkpoint scores as its run's evaluation did, else 0); --problems N draws its "
+                   "subset with seed 0 whatever this is, as train.py does")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--quiet", action="store_true", help="no progress bars and no notes on stderr")
     return p
 
 
@@ -603,12 +638,12 @@ def main(argv=None):
         p.error("--cliff-window and --pre-cliff-steps must be >= 1 and --cliff-drop >= 0")
     if args.runs:
         _analyse_cli(args)
-    elif args.checkpoint or (args.workflow and args.task):
-        if min(args.samples, args.problems or 1, args.batch_size) < 1:
+    elif args.checkpoint or args.workflow:
+        if min(args.samples, args.problems or 1, args.batch_size or 1) < 1:
             p.error("--samples, --problems and --batch-size must be >= 1")
         _evaluate_cli(args)
     else:
-        p.error("give --runs RUN [RUN ...] to analyse, or --checkpoint RUN, or --workflow and --task to evaluate")
+        p.error("give --runs RUN [RUN ...] to analyse, or --checkpoint RUN, or --workflow [--task] to evaluate")
 
 
 if __name__ == "__main__":

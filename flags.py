@@ -33,7 +33,17 @@ RESUMABLE = ("resume", "steps", "device", "quiet", "log_to", "kv_budget_gb")
 
 def scale_default(name):
     toy, paper = SCALE_DEFAULTS[name]
+    if toy == paper:
+        return f" (default: {toy})"
     return f" (default: {toy} at --scale toy, {paper if paper is not None else 'all of the test split'} otherwise)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: what is wrong, and where every flag is listed, instead of
+    the whole usage text first."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see python {self.prog} --help)\n")
 
 
 def _per_task(d):
@@ -42,7 +52,7 @@ def _per_task(d):
 
 def build_parser(description=None):
     """The flat flag list, in groups that --help shows under their titles."""
-    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="train.py", description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     _what_flags(ap.add_argument_group("what to train"))
     _rollout_flags(ap.add_argument_group("rollout (rollout.py)"))
     _optimisation_flags(ap.add_argument_group("optimisation (grpo.py)"))
@@ -74,14 +84,15 @@ def _rollout_flags(g):
     g.add_argument("--group-size", type=int, default=None, help="rollouts per problem (G)" + scale_default("group_size"))
     g.add_argument("--temperature", type=float, default=0.7, help="sampling temperature, training and evaluation (default: %(default)s)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    g.add_argument("--max-new-tokens", type=int, default=None, help="completion limit per call (default: %d at --scale "
-                   "toy, the paper's %s otherwise)" % (toy.MAX_NEW_TOKENS, _per_task(tasks.MAX_NEW_TOKENS)))
-    g.add_argument("--max-prompt-tokens", type=int, default=None, help="hard prompt limit per call: a longer prompt "
-                   "keeps its end, losing the instruction and problem first, so it is a last resort (default: "
-                   "%d at --scale toy, none otherwise: --max-embed-tokens bounds the long prompts)" % toy.MAX_PROMPT_TOKENS)
+    g.add_argument("--max-new-tokens", type=int, default=None, help="completion limit per call, at least 1 (default: "
+                   "%d at --scale toy, the paper's %s otherwise)" % (toy.MAX_NEW_TOKENS, _per_task(tasks.MAX_NEW_TOKENS)))
+    g.add_argument("--max-prompt-tokens", type=int, default=None, help="hard prompt limit per call, 0 for none: a "
+                   "longer prompt keeps its end, losing the instruction and problem first, so it is a last resort "
+                   "(default: %d at --scale toy, none otherwise: --max-embed-tokens bounds the long prompts)"
+                   % toy.MAX_PROMPT_TOKENS)
     g.add_argument("--max-embed-tokens", type=int, default=None, help="an earlier call's text (a solution, an "
-                   "attempt) embedded in a later prompt keeps at most this many tokens, its head and tail "
-                   "(default: none at --scale toy, %d otherwise)" % tasks.MAX_EMBED_TOKENS)
+                   "attempt) embedded in a later prompt keeps at most this many tokens, its head and tail, 0 for no "
+                   "limit (default: none at --scale toy, %d otherwise)" % tasks.MAX_EMBED_TOKENS)
     g.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache a generate call may hold, GiB (default: "
                    "half of the GPU memory left free after loading on CUDA, 4 on CPU; printed at start)")
     g.add_argument("--max-rows", type=int, default=None, help="most rows decoded at once (default: as many as the KV budget holds)")
@@ -93,8 +104,9 @@ def _optimisation_flags(g):
                    "toy, %g LoRA / %g full otherwise)" % (*LR["lora"][:1], *LR["full"][:1], LR["lora"][1], LR["full"][1]))
     g.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up, then cosine to 0" + scale_default("warmup_steps"))
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: %(default)s)")
-    g.add_argument("--mini-batch", type=int, default=None, help="sequences per optimizer step (default: problems-per-step x group-size, the paper's 512)")
-    g.add_argument("--token-budget", type=int, default=None, help="rows x padded length per micro-batch" + scale_default("token_budget"))
+    g.add_argument("--mini-batch", type=int, default=None, help="sequences per optimizer step, at least 1 (default: problems-per-step x group-size, the paper's 512)")
+    g.add_argument("--token-budget", type=int, default=None, help="rows x padded length per micro-batch, at least one "
+                   "row at the length limits" + scale_default("token_budget"))
     g.add_argument("--grad-checkpointing", default="auto", choices=["auto", "on", "off"],
                     help="recompute each layer in the backward instead of keeping its activations (auto: on at real scales) (default: %(default)s)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping per optimizer step (default: %(default)s)")
@@ -114,7 +126,8 @@ def _optimisation_flags(g):
 
 def _logging_flags(g):
     g.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (0: only at start and end)" + scale_default("eval_every"))
-    g.add_argument("--eval-problems", type=int, default=None, help="held-out problems per evaluation" + scale_default("eval_problems"))
+    g.add_argument("--eval-problems", type=int, default=None, help="held-out problems per evaluation, 0 for all of the "
+                   "test split" + scale_default("eval_problems"))
     g.add_argument("--samples-every", type=int, default=10, help="write transcripts of 2 episodes every N steps (0: never) (default: %(default)s)")
     g.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (0: only at the end) (default: %(default)s)")
     g.add_argument("--log-to", default="none", choices=["none", "wandb", "tensorboard"],
@@ -155,6 +168,12 @@ def resume_args(ap, args):
     if ignored:
         print(f"warning: on --resume the saved configuration wins; ignored: {', '.join(ignored)}", file=sys.stderr)
     keep = {k: v for k, v in vars(args).items() if k in RESUMABLE and (k in given or k not in saved)}
+    if "steps" in given and given["steps"] != saved.get("steps"):
+        if given["steps"] < 1:
+            ap.error("--steps must be at least 1")
+        print(f"resume: --steps {given['steps']} (saved {saved.get('steps')}) changes the lr schedule: the cosine "
+              f"now decays to 0 at step {given['steps']}", file=sys.stderr)
+    _check_device(ap, keep.get("device"))
     args = argparse.Namespace(**{**saved, **keep})
     args.out = args.resume
     return args
@@ -183,12 +202,16 @@ def resolve_args(ap, args):
         if getattr(args, name) is None:
             setattr(args, name, SCALE_DEFAULTS[name][real])
     args.lr = LR[args.isolation][real] if args.lr is None else args.lr
+    for name in ("max_prompt_tokens", "max_embed_tokens", "eval_problems", "warmup_steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0")
     default_new, default_prompt, default_embed = tasks.length_limits(args.scale, args.task)
-    args.max_new_tokens = args.max_new_tokens or default_new
-    args.max_prompt_tokens = args.max_prompt_tokens or default_prompt
-    args.max_embed_tokens = args.max_embed_tokens or default_embed
+    args.max_new_tokens = default_new if args.max_new_tokens is None else args.max_new_tokens
+    # 0: no limit (stored as null)
+    args.max_prompt_tokens = default_prompt if args.max_prompt_tokens is None else args.max_prompt_tokens or None
+    args.max_embed_tokens = default_embed if args.max_embed_tokens is None else args.max_embed_tokens or None
     args.data = args.data or tasks.default_data(args.scale, args.task)
-    args.mini_batch = args.mini_batch or args.problems_per_step * args.group_size
+    args.mini_batch = args.problems_per_step * args.group_size if args.mini_batch is None else args.mini_batch
     roles = workflows.ROLES[args.workflow]
     args.kl_coef_role = _pairs(ap, args.kl_coef_role, "--kl-coef-role", roles, args.workflow)
     args.coherence_damp = _pairs(ap, args.coherence_damp, "--coherence-damp", roles, args.workflow)
@@ -199,18 +222,31 @@ def resolve_args(ap, args):
 
 
 def check_args(ap, args):
+    """Every invariant of the resolved flags, each refused in one line before anything loads."""
     import policies
     for name in ("problems_per_step", "group_size", "steps", "mini_batch", "max_new_tokens", "token_budget",
-                 "coherence_window"):
+                 "coherence_window", "lora_rank"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("eval_every", "samples_every", "save_every"):
+    for name in ("eval_every", "samples_every", "save_every", "lr", "weight_decay", "max_grad_norm", "kl_coef",
+                 "temperature"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
-    if args.temperature < 0:
-        ap.error("--temperature must be >= 0")
     if not 0 < args.top_p <= 1:
         ap.error("--top-p must be in (0, 1]")
+    if args.lora_alpha <= 0:
+        ap.error("--lora-alpha must be > 0 (the adapter's update is scaled by alpha / rank)")
+    if not 0 <= args.clip_low < 1 or args.clip_high < 0:
+        ap.error("--clip-low must be in [0, 1) and --clip-high >= 0 (the ratio is clipped to [1 - low, 1 + high])")
+    if args.clip_c <= 1:
+        ap.error("--clip-c must be > 1 (the dual clip caps a negative advantage's loss at c |A|, above the clipped surrogate)")
+    if any(v < 0 for v in args.kl_coef_role.values()):
+        ap.error("--kl-coef-role VALUE must be >= 0")
+    row = (args.max_prompt_tokens or 1) + args.max_new_tokens
+    if args.token_budget < row:
+        ap.error(f"--token-budget {args.token_budget} holds no row at the length limits: at least {row} "
+                 "(max-prompt-tokens + max-new-tokens)")
+    _check_device(ap, args.device)
     package = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(args.log_to)
     if package and importlib.util.find_spec(package) is None:  # before minutes of model loading
         ap.error(f"--log-to {args.log_to} needs the {package} package: pip install {package}")
@@ -238,3 +274,14 @@ def hyper(args):
     import grpo
     return grpo.Hyper(**{f.name: getattr(args, f.name) for f in dataclasses.fields(grpo.Hyper)
                          if f.name != "skip_zero"})
+
+
+def _check_device(ap, device):
+    if device is None or device == "cpu":
+        return
+    import torch
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {device}: this torch has no CUDA device ({torch.__version__}); use --device cpu, or install "
+                 "the CUDA build of torch")
+    if device not in ("cuda",) and not str(device).startswith(("cuda:", "mps")):
+        ap.error(f"--device {device}: expected cpu, cuda or cuda:N")

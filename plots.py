@@ -38,22 +38,30 @@ import os
 import zlib
 from collections import defaultdict
 
-from analysis import (CELL_KEYS, CLIFF_DROP, CLIFF_WINDOW, analyse_run, cell_order, cells, grad_key, is_num,
+import workflows  # torch-free: the registry, for the colours of roles a fork adds
+
+from analysis import (CELL_KEYS, CLIFF_DROP, CLIFF_WINDOW, analyse_run, cell_key, cell_order, cells, grad_key, is_num,
                       keyed_series, load_run, lr_label, role_series, scale_label, sharing_order)
 
 PLOT_NAMES = ("acc.png", "grad.png", "length.png")
 # one colour per role in every plot, so a reader can follow a role from plot to plot
 ROLE_COLORS = {"generator": "tab:blue", "worker": "tab:cyan", "synthesizer": "tab:green",
                "evaluator": "tab:orange", "aggregator": "tab:purple", "orchestrator": "tab:brown"}
-# roles a fork adds get one of these by a hash of their name (red is kept for cliffs)
-EXTRA_COLORS = ("tab:pink", "tab:olive", "tab:gray", "gold", "teal", "navy", "darkkhaki", "black")
+# roles a fork registers get these in the order workflows.py registered them: hues far from
+# every colour above (red is kept for cliffs)
+EXTRA_COLORS = ("tab:pink", "tab:olive", "tab:gray", "gold", "black")
 SHARING_COLORS = {"shared": "tab:blue", "isolated": "tab:orange"}
 MATPLOTLIB_MISSING = "plots need matplotlib, which is not installed: pip install matplotlib"
 
 
 def role_color(role: str) -> str:
-    """The role's fixed colour; a role a fork adds gets one derived from its name."""
-    return ROLE_COLORS.get(role) or EXTRA_COLORS[zlib.crc32(role.encode()) % len(EXTRA_COLORS)]
+    """The role's fixed colour; a role a fork registers gets the next of EXTRA_COLORS (one that
+    is not registered at all, one derived from its name)."""
+    if role in ROLE_COLORS:
+        return ROLE_COLORS[role]
+    extra = [r for r in workflows.ROLE_KINDS if r not in ROLE_COLORS]
+    k = extra.index(role) if role in extra else zlib.crc32(role.encode())
+    return EXTRA_COLORS[k % len(EXTRA_COLORS)]
 
 
 def cell_title(c: dict, seed=True) -> str:
@@ -63,11 +71,14 @@ def cell_title(c: dict, seed=True) -> str:
         parts.append(f"seed {c['seed']}")
     if c.get("lr") is not None:
         parts.append(f"lr {lr_label(c['lr'])}")
+    if c.get("variant"):
+        parts.append(c["variant"])
     return ", ".join(parts)
 
 
 def _slug(*parts) -> str:
-    return "-".join(str(p).replace(os.sep, "_").replace(":", "_").replace(" ", "") for p in parts if p is not None)
+    return "-".join(str(p).replace(os.sep, "_").replace(":", "_").replace(" ", "") for p in parts
+                    if p is not None and p != "")
 
 
 # ----------------------------------------------------------------------------- plots of one run
@@ -264,9 +275,9 @@ def _band_line(ax, series_list: list, color, label, ls="-"):
 
 
 def _map_label(row: tuple, several_lr: bool, several_scales: bool) -> str:
-    wf, scale, sharing, lr = row
+    wf, scale, sharing, lr, variant = row
     return " · ".join([str(wf), str(sharing)] + ([f"lr {lr_label(lr)}"] if several_lr else [])
-                      + ([scale_label(scale)] if several_scales else []))
+                      + ([scale_label(scale)] if several_scales else []) + ([variant] if variant else []))
 
 
 def _map_text(c: dict) -> tuple:
@@ -305,30 +316,39 @@ def _map_panel(ax, cs: list, task: str, norm, cmap):
 def plot_map(cell_list: list, path: str) -> str | None:
     """One panel per task, the same rows in each (workflow x sharing, x lr when several),
     coloured by the mean final - base accuracy (diverging, centred at 0)."""
+    fig = map_figure(cell_list)
+    if fig is None:
+        return None
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def map_figure(cell_list: list):
+    """The map's Figure, or None when no cell has a gain."""
     from matplotlib import colormaps
     from matplotlib.colors import TwoSlopeNorm
     Figure = _figure_class()
     gains = [abs(100 * c["gain_final"]["mean"]) for c in cell_list if c["gain_final"]]
     if not gains:
         return None
-    at = {(c["task"], c["workflow"], c["scale"], c["sharing"], c["lr"]): c for c in cell_list}
+    at = {(c["task"], c["workflow"], c["scale"], c["sharing"], c["lr"], c["variant"] or ""): c for c in cell_list}
     rows = sorted({k[1:] for k in at}, key=lambda r: cell_order((r[0], None, *r[1:])))
     task_names = sorted({k[0] for k in at}, key=str)
     v = max(max(gains), 1.0)
     norm, cmap = TwoSlopeNorm(0.0, -v, v), colormaps["RdBu"]
-    fig = Figure(figsize=(1.8 + 4.2 * len(task_names) + 1.0, 1.4 + 0.45 * len(rows)), layout="constrained")
+    # at least 2.8 in tall, so that the colour bar's label fits beside a map of few rows
+    fig = Figure(figsize=(1.8 + 4.2 * len(task_names) + 1.0, max(2.8, 1.4 + 0.45 * len(rows))), layout="constrained")
     axes = fig.subplots(1, len(task_names), squeeze=False, sharey=True)[0]
     for ax, task in zip(axes, task_names):
         im = _map_panel(ax, [at.get((task, *r)) for r in rows], task, norm, cmap)
     axes[0].set_yticks(range(len(rows)), [_map_label(r, len({r[3] for r in rows}) > 1, len({r[1] for r in rows}) > 1)
                                            for r in rows])
-    fig.colorbar(im, ax=list(axes), label="final - base accuracy (points)", shrink=0.9)
+    fig.colorbar(im, ax=list(axes), label="final - base (points)", shrink=0.9)
     several = max(c["n"] for c in cell_list) > 1
     # two lines: one panel (a single task) is too narrow for the whole title on one
     fig.suptitle("Accuracy map: gains in points" + (" (mean ±sd over seeds)" if several else "")
                  + "\n▼ k/n = runs with a terminal cliff", fontsize=12)
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
 def _cell_panels(group: list) -> list:
@@ -401,8 +421,9 @@ def _cell_figures(summaries: list, runs: dict, folder: str) -> list:
     written = []
     for c in cells(summaries):
         key = tuple(c[k] for k in CELL_KEYS)
-        group = [(s, runs[s["run"]]) for s in summaries if tuple(s.get(k) for k in CELL_KEYS) == key]
-        name = "mech-" + _slug(c["workflow"], c["task"], scale_label(c["scale"]), c["sharing"], _lr_slug(c["lr"]))
+        group = [(s, runs[s["run"]]) for s in summaries if cell_key(s) == key]
+        name = "mech-" + _slug(c["workflow"], c["task"], scale_label(c["scale"]), c["sharing"], _lr_slug(c["lr"]),
+                               c["variant"])
         written.append(plot_cell(c, group, os.path.join(folder, name + ".png")))
     return written
 
@@ -411,12 +432,14 @@ def _overlay_figures(summaries: list, runs: dict, folder: str) -> list:
     """acc-WORKFLOW-TASK-SCALE-lrLR.png: each sharing mode of a workflow, task and lr."""
     groups = defaultdict(lambda: defaultdict(list))
     for s in summaries:
-        groups[(s["workflow"], s["task"], s["scale"], s["lr"])][s["sharing"]].append((s, runs[s["run"]]))
+        groups[(s["workflow"], s["task"], s["scale"], s["lr"], s.get("variant") or "")][s["sharing"]].append((s, runs[s["run"]]))
     written = []
-    for (wf, task, scale, lr), by_sharing in sorted(groups.items(), key=lambda kv: cell_order((*kv[0][:3], None, kv[0][3]))):
+    for (wf, task, scale, lr, variant), by_sharing in sorted(
+            groups.items(), key=lambda kv: cell_order((*kv[0][:3], None, *kv[0][3:]))):
         title = ", ".join(str(x) for x in (wf, task) if x) + (f", lr {lr_label(lr)}" if lr is not None else "")
-        title += ": " + " vs ".join(str(g).capitalize() for g in sorted(by_sharing, key=sharing_order))
-        name = "acc-" + _slug(wf, task, scale_label(scale), _lr_slug(lr))
+        title += (f", {variant}" if variant else "") + ": "
+        title += " vs ".join(str(g).capitalize() for g in sorted(by_sharing, key=sharing_order))
+        name = "acc-" + _slug(wf, task, scale_label(scale), _lr_slug(lr), variant)
         written.append(plot_overlay(title, by_sharing, os.path.join(folder, name + ".png")))
     return written
 

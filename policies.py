@@ -48,12 +48,17 @@ def check_scale(scale: str) -> None:
         raise ValueError(f"--scale {scale}: folder has no config.json, so it is not a model folder")
 
 
-def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_task: str = "math"):
+def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_task: str = "math",
+         quiet: bool = False):
     """(model, tokenizer) for a scale name, `toy` (the warm-started toy model of `toy_task`,
-    built on first use), or a local Hugging Face model folder.
+    built on first use), or a local Hugging Face model folder; `quiet`: no progress bars.
 
     The base model is frozen (requires_grad False) and in eval mode (no dropout)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if quiet:   # transformers' own bars: loading weights, writing shards
+        hf_logging.disable_progress_bar()
 
     if dtype is None:  # bf16 on GPU as in the paper; fp32 on CPU where bf16 matmuls are slow
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
@@ -61,7 +66,7 @@ def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_
     reading = contextlib.nullcontext()
     if scale == "toy":
         import toy
-        path = toy.model_folder(toy_task)
+        path = toy.model_folder(toy_task, quiet=quiet)
         reading = toy.locked(path, exclusive=False)   # a rebuild cannot replace it while it loads
     else:
         path = HUB_IDS.get(scale, scale)

@@ -151,6 +151,25 @@ def check_extra(p, extra, owned):
             p.error(f"{flag} after `--`: the sweep sets {own} for each cell; {hint} instead")
 
 
+def check_cells(p, matrix, extra):
+    """Refuse, before anything runs, flags that train.py would refuse for a cell: every cell is
+    parsed as its train.py command would be (nothing loads; run folders are not looked at)."""
+    import contextlib
+    import io
+
+    import flags
+    for name, cell in matrix:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                flags.parse_args([*cell, *extra, "--out", os.path.join(os.devnull, name)])
+        except SystemExit as e:
+            if e.code:
+                lines = [line for line in err.getvalue().splitlines() if line.startswith("error:")]
+                msg = lines[-1][len("error: "):].split(" (see python train.py --help)")[0] if lines else f"exit {e.code}"
+                p.error(f"cell {name}: train.py refuses the flags after `--`: {msg}")
+
+
 def parse_args(argv=None):
     """(flags, the train.py flags given after `--`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -158,8 +177,9 @@ def parse_args(argv=None):
     if "--" in argv:  # everything after `--` goes to train.py untouched
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Everything after `--` is passed to every train.py command.")
+    from flags import Parser   # one-line errors
+    p = Parser(prog="sweep.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+               epilog="Everything after `--` is passed to every train.py command.")
     # --- the matrix
     p.add_argument("--workflows", nargs="+", default=list(workflows.WORKFLOWS), choices=list(workflows.WORKFLOWS),
                    metavar="WORKFLOW", help="workflows to run, of %(choices)s (default: all)")
@@ -191,6 +211,7 @@ def parse_args(argv=None):
     check_extra(p, extra, CELL_FLAGS + (("--lr",) if args.lrs else ()))
     for name in ("workflows", "tasks", "sharings", "seeds", "lrs"):  # a value given twice is one cell
         setattr(args, name, getattr(args, name) and list(dict.fromkeys(getattr(args, name))))
+    check_cells(p, cells(args.workflows, args.tasks, args.sharings, args.scale, args.seeds, args.lrs), extra)
     args.out = os.path.abspath(args.out)  # runs and report under the same folder, whatever the cwd
     return args, extra
 

@@ -58,6 +58,7 @@ Missing optional packages or an unreachable hub raise one RuntimeError line sayi
 
 Run: `python -m pytest tests/test_tasks.py`.
 """
+import collections
 import gzip
 import hashlib
 import importlib.util
@@ -103,6 +104,10 @@ def validate(record, where: str | None = None) -> dict:
     if kind == "assert":
         if not isinstance(tests.get("test"), str) or not tests["test"].strip():
             bad("assert tests need a non-empty string 'test'")
+        try:   # a test that is not Python would fail every program: nothing could be learned
+            compile(tests["test"], "<test>", "exec")
+        except SyntaxError as e:
+            bad(f"the test is not valid Python ({e.msg}, line {e.lineno}): {tests['test'].strip()[:60]!r}")
         ep = tests.get("entry_point")
         if ep is not None and (not isinstance(ep, str) or not ep.isidentifier()):
             bad(f"'entry_point' must be a function name or None, got {ep!r}")
@@ -155,10 +160,10 @@ def length_limits(scale: str, task: str) -> tuple:
 def task_kind(name: str) -> str:
     """'math' or 'code' for a registered task name or a .jsonl path."""
     if name.endswith(".jsonl"):
-        first = _read_jsonl(name, limit=1)
-        if not first:
+        records = _read_jsonl(name)   # every record: a file of mixed kinds is refused here
+        if not records:
             raise ValueError(f"{name}: no records")
-        return "math" if "answer" in first[0] else "code"
+        return _kind_of(records[0])
     if name not in _REGISTRY:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(_REGISTRY)}, or a path ending in .jsonl")
     return _REGISTRY[name][0]
@@ -175,6 +180,10 @@ def load_task(name: str, split: str = "train", n: int | None = None, seed: int =
         if loader is _load_toy:  # procedural: the generator draws n itself
             return [validate(r) for r in _load_toy(name, split, n, seed)]
         records = [validate(r, f"{name} record {r.get('id')!r}") for r in loader(name, split)]
+        twice = sorted(k for k, c in collections.Counter(r["id"] for r in records).items() if c > 1)
+        if twice:
+            raise ValueError(f"{name}/{split}: ids occur more than once ({', '.join(map(repr, twice[:3]))}); "
+                             "ids must be unique (advantages are grouped by problem id)")
     else:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(_REGISTRY)}, or a path ending in .jsonl")
     if n is None:
@@ -219,10 +228,13 @@ def _seeded_split(records: list, n_test: int, split: str) -> list:
     return order[:n_test] if split == "test" else order[n_test:]
 
 
-def _read_jsonl(path: str, limit: int | None = None) -> list[dict]:
+def _read_jsonl(path: str) -> list[dict]:
+    """Every record of a file, checked: each has the record shape, all are of one task kind
+    (math or code), and no two share an id (advantages are grouped by id, so two problems
+    under one id would be normalised together)."""
     if not os.path.isfile(path):
         raise ValueError(f"no such file: {path}")
-    records = []
+    records, lines = [], {}
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -232,10 +244,20 @@ def _read_jsonl(path: str, limit: int | None = None) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} line {line_no}: not valid JSON ({e.msg})") from None
             rid = rec.get("id") if isinstance(rec, dict) else None
-            records.append(validate(_from_user(rec, path), f"{path} line {line_no} (id {rid!r})"))
-            if limit is not None and len(records) >= limit:
-                break
+            rec = validate(_from_user(rec, path), f"{path} line {line_no} (id {rid!r})")
+            if records and _kind_of(rec) != _kind_of(records[0]):
+                raise ValueError(f"{path} line {line_no} (id {rec['id']!r}) is a {_kind_of(rec)} record, but the "
+                                 f"file's first is {_kind_of(records[0])}: a file holds one task kind")
+            if rec["id"] in lines:
+                raise ValueError(f"{path} line {line_no}: id {rec['id']!r} is also the id of line {lines[rec['id']]}; "
+                                 "ids must be unique (advantages are grouped by problem id)")
+            lines[rec["id"]] = line_no
+            records.append(rec)
     return records
+
+
+def _kind_of(record: dict) -> str:
+    return "math" if "answer" in record else "code"
 
 
 def _from_user(rec, path: str):

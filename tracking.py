@@ -60,8 +60,13 @@ def _open_wandb(folder: str, config: dict):
     wandb_dir = os.environ.get("WANDB_DIR") or folder
     os.makedirs(wandb_dir, exist_ok=True)
     # mode is left to $WANDB_MODE (online by default, offline or disabled when set)
-    run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=os.path.basename(os.path.normpath(folder)),
-                     id=run_id, resume="allow", dir=wandb_dir, config=config)
+    try:
+        run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=os.path.basename(os.path.normpath(folder)),
+                         id=run_id, resume="allow", dir=wandb_dir, config=config)
+    except Exception as e:   # no API key, no network, a bad project: W&B's own error types
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise RuntimeError(f"--log-to wandb: W&B did not start ({first}); log in (`wandb login` or WANDB_API_KEY), "
+                           "or set WANDB_MODE=offline to log locally") from None
     with open(id_file, "w") as f:
         f.write(run.id + "\n")
     return run

@@ -94,7 +94,7 @@ def setup(args, comm=None):
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         train_set, test_set = tasks.train_and_test(args.data, args.eval_data, args.task, args.eval_problems, args.seed)
-        model, tok = policies.load(args.scale, device, dtype, toy_task=args.task)
+        model, tok = policies.load(args.scale, device, dtype, toy_task=args.task, quiet=args.quiet)
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         runfolder.fail(str(e))
     if args.problems_per_step > len(train_set):
@@ -130,6 +130,8 @@ def start_run(args, comm):
             run.tracker = tracking.open_tracker(args.log_to, args.out, vars(args),
                                                 resume_step=run.start if args.resume else None)
         except RuntimeError as e:
+            if not args.resume:   # a fresh run leaves nothing, so the same command can run again
+                runfolder.remove_fresh(run)
             runfolder.fail(str(e))
     if run.start == 0:
         first_eval(run)
@@ -201,6 +203,17 @@ def interrupts():
             signal.signal(s, h)
 
 
+@contextlib.contextmanager
+def aborted(run):
+    """A second Ctrl-C aborts at once: one line on what was kept, no traceback, exit 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"\naborted: this step was not saved; --resume {run.args.out} continues from the last save "
+              "(ckpt-last)", file=sys.stderr)
+        sys.exit(130)
+
+
 def main(argv=None):
     args = flags.parse_args(argv, __doc__)
     import torch
@@ -219,7 +232,7 @@ def main(argv=None):
     say = print if args.quiet else tqdm.write
     bar = tqdm(range(run.start + 1, args.steps + 1), desc="train", disable=args.quiet or not run.main,
                initial=run.start, total=args.steps)
-    with interrupts() as stop:
+    with interrupts() as stop, aborted(run):
         for step in bar:
             t0 = time.time()
             # 1. problems of this step, the same ones whenever the run is resumed (this rank's share)

@@ -363,7 +363,7 @@ def test_cells_are_keyed_by_lr_with_mean_spread_and_cliff_frequency(tmp_path):
     assert cs[1]["gain_final"]["mean"] == pytest.approx(0.1) and cs[1]["gain_peak"]["max"] == pytest.approx(0.4)
     rows = analysis.cell_rows(summaries)
     assert [r[analysis.CELL_HEADERS.index("lr")] for r in rows] == ["1e-3", "2e-3"]
-    assert [r[-1] for r in rows] == ["0/2", "1/2"]
+    assert [r[analysis.CELL_HEADERS.index("cliffs")] for r in rows] == ["0/2", "1/2"]
     assert rows[1][analysis.CELL_HEADERS.index("final-base")] == "+10.0±28.3"
     md = analysis.cell_rows(summaries, report=True)[1][analysis.CELL_HEADERS.index("final-base")]
     assert md == "+10.0±28.3 (-10.0..+30.0)"
@@ -414,3 +414,24 @@ def test_broken_run_files_get_one_warning_per_line(tmp_path, capsys):
     out = capsys.readouterr()
     assert len(out.err.splitlines()) == 4 and "broken" in out.out
     assert analysis.read_jsonl(e, ("step", "acc"), quiet=True)[-1]["step"] == 10
+
+
+def test_runs_that_differ_in_more_than_the_seed_are_cells_apart(tmp_path, capsys):
+    # a baseline and an intervention with one seed, and a second seed of the baseline: two
+    # cells, the intervention's labelled by what differs; the map and tables keep them apart
+    base = {"kl_coef_role": {}, "coherence_damp": {}, "lr": 2e-3, "out": "a", "device": "cpu"}
+    write_run(tmp_path, "base-s0", [0.5, 0.6, 0.7], config=base)
+    write_run(tmp_path, "base-s1", [0.5, 0.62, 0.69], config={**base, "seed": 1, "out": "b", "kv_budget_gb": 1.0})
+    write_run(tmp_path, "kl-s0", [0.5, 0.4, 0.3], config={**base, "kl_coef_role": {"aggregator": 0.1},
+                                                           "coherence_damp": {"generator": 0.5}})
+    summaries, _ = ev.analyse_runs([str(tmp_path / n) for n in ("base-s0", "base-s1", "kl-s0")], plots=False, quiet=True)
+    cs = analysis.cells(summaries)
+    assert sorted((c["n"], c["seeds"], c["variant"]) for c in cs) == [
+        (1, [0], "coherence-damp generator=0.5, kl-coef-role aggregator=0.1"),
+        (2, [0, 1], "coherence-damp none, kl-coef-role none")]
+    rows = analysis.cell_rows(summaries)
+    assert sorted((r[5], r[-1]) for r in rows) == [("1", "coherence-damp generator=0.5, kl-coef-role aggregator=0.1"),
+                                                   ("2", "coherence-damp none, kl-coef-role none")]
+    # runs differing in nothing but the seed and the flags that change nothing make one cell
+    alone = analysis.label_variants([s for s in summaries if s["name"].startswith("base")])
+    assert [c["variant"] for c in analysis.cells(alone)] == [""]

@@ -4,6 +4,7 @@ matplotlib is missing.
 
     python -m pytest -q tests/test_plots.py
 """
+import math
 import os
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 import analysis
 import eval as ev
 import plots
+import workflows
 from test_analysis import _run_with_metrics, synthetic_run, synthetic_sweep, write_run
 
 
@@ -86,3 +88,30 @@ def test_report_and_figures_from_a_synthetic_sweep(tmp_path):
     assert "| voting | math | toy | isolated | 2e-3 | 2 |" in text and "| 1/2 |" in text
     assert "Coherence rises in 1 of 1 cliff runs" in text
     assert text.index("## Map") < text.index("## Cells") < text.index("## Before the cliff")
+
+
+@pytest.mark.parametrize("n_runs", [1, 12])
+def test_every_text_of_the_map_lies_inside_the_figure(tmp_path, n_runs):
+    pytest.importorskip("matplotlib")
+    wfs = [(wf, sh) for wf in ("voting", "eval_opt", "orch_workers") for sh in ("shared", "isolated")]
+    summaries = [analysis.analyse_run(synthetic_run(tmp_path, wf, task, sh)) for wf, sh in wfs[:max(1, n_runs // 2)]
+                 for task in (("math", "code") if n_runs > 1 else ("math",))]
+    fig = plots.map_figure(analysis.cells(analysis.label_variants(summaries)))
+    fig.draw_without_rendering()   # runs the constrained layout, as savefig does
+    box = fig.bbox
+    for text in fig.findobj(lambda a: hasattr(a, "get_text") and a.get_text() and a.get_visible()):
+        e = text.get_window_extent()
+        if not all(map(math.isfinite, (e.x0, e.x1, e.y0, e.y1))):   # a tick outside the axis: not drawn
+            continue
+        assert box.x0 - 1 <= e.x0 and e.x1 <= box.x1 + 1 and box.y0 - 1 <= e.y0 and e.y1 <= box.y1 + 1, text.get_text()
+
+
+def test_a_role_a_fork_registers_gets_a_colour_far_from_every_registered_one(monkeypatch):
+    from matplotlib.colors import to_rgb
+    monkeypatch.setitem(workflows.ROLE_KINDS, "judge", "supervisory")
+    monkeypatch.setitem(workflows.ROLE_KINDS, "critic", "supervisory")
+    new = [plots.role_color(r) for r in ("judge", "critic")]
+    assert new[0] != new[1]
+    for c in new:
+        for known in plots.ROLE_COLORS.values():
+            assert sum((a - b) ** 2 for a, b in zip(to_rgb(c), to_rgb(known))) ** 0.5 > 0.25, (c, known)

@@ -42,7 +42,9 @@ def toy_cache(tiny, tmp_path_factory):
     toy.model_folder looks in, so that `--scale toy` loads it at once."""
     cache = str(tmp_path_factory.mktemp("cache"))
     for task in workflows.TASKS:
-        shutil.copytree(tiny, os.path.join(cache, "toy", f"{task}-{toy._key(task, toy.WARM)}"))
+        folder = os.path.join(cache, "toy", f"{task}-{toy._key(task, toy.WARM)}")
+        shutil.copytree(tiny, folder)
+        open(os.path.join(folder, toy.COMPLETE), "w").close()   # as a finished build leaves it
     return cache
 
 
@@ -107,6 +109,10 @@ def test_dry_run_skips_done_cells_and_resumes_started_ones(tmp_path, capsys):
     (["--jobs", "0"], "--jobs must be at least 1"),
     (["--", "--seed", "3"], "the sweep sets --seed for each cell; pass --seeds to the sweep instead"),
     (["--lrs", "1e-3", "--", "--lr=3e-3"], "pass --lrs to the sweep instead"),
+    (["--", "--group-size", "0"], "cell single-math-shared-toy-s0: train.py refuses the flags after `--`: "
+                                  "--group-size must be at least 1"),
+    (["--workflows", "single", "voting", "--", "--kl-coef-role", "aggregator=0.1"],
+     "cell single-math-shared-toy-s0: train.py refuses the flags after `--`: --kl-coef-role aggregator: not a role"),
 ])
 def test_bad_input_is_refused_in_one_line(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -121,22 +127,22 @@ def test_bad_input_is_refused_in_one_line(argv, message, tmp_path, monkeypatch, 
 
 def test_a_failing_cell_is_reported_the_others_finish_and_a_rerun_skips_them(toy_cache, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MARL_CACHE", toy_cache)
-    # --kl-coef-role aggregator=... suits voting, and train.py refuses it for single (exit 2)
-    argv = ["--workflows", "single", "voting", "--tasks", "math", "--sharings", "shared", "--jobs", "2",
-            "--out", str(tmp_path / "m"), "--", *TINY, "--kl-coef-role", "aggregator=0.1"]
+    # --data toy_math suits the math cell; train.py refuses it for the code cell once it loads (exit 2)
+    argv = ["--workflows", "voting", "--tasks", "math", "code", "--sharings", "shared", "--jobs", "2",
+            "--out", str(tmp_path / "m"), "--", *TINY, "--data", "toy_math"]
     assert sweep.main(argv) == 1
     out, err = capsys.readouterr()
     m = tmp_path / "m"
     cell = "voting-math-shared-toy-s0"
-    assert (m / cell / "done").exists() and not (m / "single-math-shared-toy-s0").exists()
-    assert "FAILED single-math-shared-toy-s0: exit 2" in err and "not a role of single" in err
+    assert (m / cell / "done").exists() and not (m / "voting-code-shared-toy-s0" / "done").exists()
+    assert "FAILED voting-code-shared-toy-s0: exit 2" in err and "is a math data set but --task is code" in err
     assert cell in (m / "report.md").read_text() and cell in out and "wall time" in out
     assert toy_cache in (m / "logs" / "toy-math.log").read_text()  # the toy model built first was the tiny one
 
     log = (m / "logs" / f"{cell}.log").read_text()
     assert sweep.main(argv) == 1  # the done cell is skipped, the failing one fails again
     out, err = capsys.readouterr()
-    assert "1 done (skipped)" in out and "FAILED single-math-shared-toy-s0" in err
+    assert "1 done (skipped)" in out and "FAILED voting-code-shared-toy-s0" in err
     assert (m / "logs" / f"{cell}.log").read_text() == log
 
 

@@ -170,3 +170,34 @@ def test_train_py_mirrors_its_metrics_to_tensorboard(tmp_path):
     assert {"reward", "roles/generator/grad_norm", "roles/aggregator/len", "eval/acc"} <= tags
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [e.value for e in acc.Scalars("reward")] == pytest.approx([m["reward"] for m in metrics])
+
+
+def test_a_tracker_that_cannot_start_leaves_no_run_folder(tmp_path, monkeypatch, capsys):
+    """W&B without an API key raises its own UsageError: train.py says so in one line and
+    leaves nothing, so the same command runs once the key is set."""
+    pytest.importorskip("wandb")
+    import wandb
+    from conftest import save_tiny_toy_model
+
+    import train
+
+    class UsageError(Exception):
+        pass
+
+    def no_key(*a, **k):
+        raise UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
+    monkeypatch.setattr(wandb, "init", no_key)
+    model = save_tiny_toy_model(tmp_path / "model")
+    out = tmp_path / "run"
+    flags = ["--scale", model, "--data", "toy_math", "--workflow", "single", "--steps", "1", "--problems-per-step", "2",
+             "--group-size", "2", "--max-new-tokens", "4", "--eval-problems", "2", "--lora-rank", "2", "--device", "cpu",
+             "--quiet", "--log-to", "wandb", "--out", str(out)]
+    with pytest.raises(SystemExit) as e:
+        train.main(flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "W&B did not start (api_key not configured" in err[-1] and "WANDB_MODE=offline" in err[-1]
+    assert not out.exists()
+    monkeypatch.undo()
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    train.main(flags)                                 # the same command now runs
+    assert (out / "done").exists()

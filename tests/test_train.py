@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import eval as ev
-import flags
 import grpo
 import runfolder
 import toy
@@ -199,6 +198,25 @@ def test_a_task_file_with_bad_records(capsys, tmp_path, model_dir):
     assert "math data set" in run_failing(capsys, argv(model_dir, tmp_path / "r", "--data", str(good), task="code"))
 
 
+CODE_RECORD = '{"id": "%s", "prompt": "Write add(a, b).", "tests": {"kind": "assert", "test": "%s", "entry_point": "add"}}\n'
+MATH_RECORD = '{"id": "%s", "prompt": "1+1", "answer": "2"}\n'
+
+
+@pytest.mark.parametrize("case,text,task,expect", [
+    ("a test that is not Python", CODE_RECORD % ("a", "assert add(2, 3) == "), "code", "not valid Python"),
+    ("math and code in one file", MATH_RECORD % "m" + CODE_RECORD % ("c", "assert add(2, 3) == 5"), "math",
+     "line 2 (id 'c') is a code record"),
+    ("two problems with one id", MATH_RECORD % "p" + MATH_RECORD % "q" + MATH_RECORD % "p", "math",
+     "id 'p' is also the id of line 1"),
+])
+def test_bad_data_is_refused_in_one_line_before_the_first_step(capsys, tmp_path, model_dir, case, text, task, expect):
+    data = tmp_path / "data.jsonl"
+    data.write_text(text)
+    line = run_failing(capsys, argv(model_dir, tmp_path / "r", "--data", str(data), "--eval-data", str(data), task=task))
+    assert expect in line and "data.jsonl" in line, case
+    assert not (tmp_path / "r").exists()
+
+
 def test_an_existing_run_folder_needs_resume(capsys, tmp_path, model_dir):
     out = tmp_path / "run"
     out.mkdir()
@@ -372,13 +390,6 @@ def test_messages_name_the_fix(capsys, tmp_path, monkeypatch):
     assert "hf download Qwen/Qwen3-0.6B" in line and "huggingface-cli" not in line
 
 
-def test_full_isolation_has_its_own_default_lr(tmp_path):
-    toy_lora = flags.parse_args(["--out", str(tmp_path / "a")])
-    toy_full = flags.parse_args(["--isolation", "full", "--out", str(tmp_path / "b")])
-    assert (toy_lora.lr, toy_full.lr) == (flags.LR["lora"][0], flags.LR["full"][0]) and toy_full.lr < toy_lora.lr
-    help_text = flags.build_parser().format_help()
-    assert f"{flags.LR['full'][0]:g} full" in help_text
-
 
 def coin_rewards(texts, problems, task, **kw):
     """A reward that depends only on the text (so a resumed run sees the same ones) and is 0
@@ -410,13 +421,17 @@ def test_coherence_damp_resumes_exactly(model_dir, tmp_path, monkeypatch):
 
 def best_of_2(episodes, llm, task):
     """A fifth workflow for the test: two generators, then a judge picks one (\\boxed{k})."""
-    gens = llm("generator", ["generator0", "generator1"] * len(episodes),
-               [workflows.generator_messages(ep.problem, task) for ep in episodes for _ in range(2)])
+    gens = workflows.stage(llm, "generator", ["generator0", "generator1"] * len(episodes),
+                           [workflows.generator_messages(ep.problem, task) for ep in episodes for _ in range(2)],
+                           [ep for ep in episodes for _ in range(2)])
+    for i, ep in enumerate(episodes):
+        ep.calls += gens[2 * i:2 * i + 2]
     msgs = [[{"role": "system", "content": workflows.INSTRUCTIONS["judge", task]},
              {"role": "user", "content": "\n".join([ep.problem["prompt"], gens[2 * i].text, gens[2 * i + 1].text])}]
             for i, ep in enumerate(episodes)]
-    for i, (ep, judge) in enumerate(zip(episodes, llm("judge", ["judge"] * len(episodes), msgs))):
-        ep.calls += [gens[2 * i], gens[2 * i + 1], judge]
+    for i, (ep, judge) in enumerate(zip(episodes, workflows.stage(llm, "judge", ["judge"] * len(episodes), msgs,
+                                                                  episodes))):
+        ep.calls.append(judge)
         k, fallback = workflows.parse_choice(judge.text, 2)
         ep.fallbacks["judge"] = int(fallback)
         ep.final_text = gens[2 * i + k - 1].text

@@ -1,0 +1,118 @@
+"""train.py's flags (flags.py): bad values refused in one line before anything loads, what 0
+means, the defaults --help shows, and what --resume says it changes."""
+import json
+import os
+
+import pytest
+import torch
+
+import flags
+import train
+from conftest import save_tiny_toy_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_toy_model(tmp_path_factory.mktemp("tiny-toy"))
+
+
+def refused(capsys, argv):
+    """The one stderr line of a refused command line (exit 2, no usage text, no traceback)."""
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--lr", "-1", "--lr must be >= 0"),
+    ("--lora-rank", "0", "--lora-rank must be at least 1"),
+    ("--lora-alpha", "0", "--lora-alpha must be > 0"),
+    ("--clip-low", "1.5", "--clip-low must be in [0, 1)"),
+    ("--clip-high", "-0.1", "--clip-high >= 0"),
+    ("--clip-c", "0.5", "--clip-c must be > 1"),
+    ("--warmup-steps", "-1", "--warmup-steps must be >= 0"),
+    ("--token-budget", "1", "--token-budget 1 holds no row at the length limits: at least 448"),
+    ("--max-new-tokens", "0", "--max-new-tokens must be at least 1"),
+    ("--mini-batch", "0", "--mini-batch must be at least 1"),
+    ("--max-prompt-tokens", "-5", "--max-prompt-tokens must be >= 0"),
+    ("--max-embed-tokens", "-1", "--max-embed-tokens must be >= 0"),
+    ("--eval-problems", "-3", "--eval-problems must be >= 0"),
+    ("--weight-decay", "-0.1", "--weight-decay must be >= 0"),
+    ("--kl-coef-role", "generator=-1", "--kl-coef-role VALUE must be >= 0"),
+    ("--device", "gpu", "--device gpu: expected cpu, cuda or cuda:N"),
+])
+def test_values_that_cannot_be_meant_are_refused_in_one_line(capsys, tmp_path, flag, value, message):
+    line = refused(capsys, [flag, value, "--out", str(tmp_path / "r")])
+    assert message in line and line.endswith("(see python train.py --help)")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")
+def test_cuda_on_a_cpu_only_torch_is_one_line(capsys, tmp_path):
+    assert "this torch has no CUDA device" in refused(capsys, ["--device", "cuda", "--out", str(tmp_path / "r")])
+
+
+def test_zero_means_what_the_help_says(tmp_path):
+    a = flags.parse_args(["--max-prompt-tokens", "0", "--max-embed-tokens", "0", "--eval-problems", "0",
+                          "--out", str(tmp_path / "r")])
+    assert (a.max_prompt_tokens, a.max_embed_tokens, a.eval_problems) == (None, None, 0)   # none, none, all
+    d = flags.parse_args(["--out", str(tmp_path / "r")])
+    assert (d.max_prompt_tokens, d.eval_problems, d.mini_batch) == (400, 512, 16 * 8)
+    text = flags.build_parser().format_help()
+    assert "0 for none" in text and "0 for all of the" in text and "0 for no" in text
+
+
+def test_help_states_each_default_once():
+    text = " ".join(flags.build_parser().format_help().split())
+    assert "8 at --scale toy, 8 otherwise" not in text and "16384 at --scale toy, 16384" not in text
+    assert "rollouts per problem (G) (default: 8)" in text
+
+
+def test_full_isolation_has_its_own_default_lr(tmp_path):
+    toy_lora = flags.parse_args(["--out", str(tmp_path / "a")])
+    toy_full = flags.parse_args(["--isolation", "full", "--out", str(tmp_path / "b")])
+    assert (toy_lora.lr, toy_full.lr) == (flags.LR["lora"][0], flags.LR["full"][0]) and toy_full.lr < toy_lora.lr
+    assert f"{flags.LR['full'][0]:g} full" in flags.build_parser().format_help()
+
+
+def test_resume_says_that_more_steps_change_the_schedule(model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    os.makedirs(out)
+    cfg = vars(flags.parse_args(["--scale", model_dir, "--data", "toy_math", "--steps", "2", "--out", str(out)]))
+    with open(out / "config.json", "w") as f:
+        json.dump(cfg, f)
+    capsys.readouterr()
+    args = flags.parse_args(["--resume", str(out), "--steps", "5"])
+    err = capsys.readouterr().err
+    assert args.steps == 5 and "--steps 5 (saved 2) changes the lr schedule" in err
+    flags.parse_args(["--resume", str(out)])
+    assert "changes the lr schedule" not in capsys.readouterr().err
+
+
+def test_quiet_shows_no_progress_bar_of_any_library(model_dir, tmp_path, capfd):
+    train.main(["--scale", model_dir, "--data", "toy_math", "--workflow", "single", "--steps", "1",
+                "--problems-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-problems", "2",
+                "--lora-rank", "2", "--device", "cpu", "--quiet", "--out", str(tmp_path / "r")])
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "it/s" not in err and "%|" not in err
+
+
+def test_a_second_ctrl_c_aborts_in_one_line(model_dir, tmp_path, capsys, monkeypatch):
+    import signal
+
+    import grpo
+    real = grpo.update
+
+    def twice(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)   # the second raises KeyboardInterrupt at once
+        return real(*a, **k)
+    monkeypatch.setattr(grpo, "update", twice)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--scale", model_dir, "--data", "toy_math", "--workflow", "single", "--steps", "2",
+                    "--problems-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-problems", "2",
+                    "--lora-rank", "2", "--device", "cpu", "--quiet", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "aborted: this step was not saved" in err and "Traceback" not in err
