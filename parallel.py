@@ -19,7 +19,7 @@ Choices:
 - Gradients are summed over ranks once per optimizer step, together with the per-slot parts
   the diagnostics read (`reduce_parts`, called by dynamics.RoleDynamics before each step), so
   norms, shares, cosines and coherence are those of the global gradient whatever N is.
-- Scalars and small records (counts, evaluation results, RNG states) go through
+- Scalars and small records (counts, evaluation results, the rows' shapes) go through
   `sum` / `gather` (all_gather_object), which every rank must call in the same order.
 - Failure: a rank that raises exits non-zero; its peers' next collective fails (gloo: the
   connection closes) or torchrun stops them (SIGTERM, then SIGKILL after its shutdown

@@ -6,6 +6,10 @@ into one batch and one ordinary DynamicCache, every row stepping together until 
 against it in tests/test_sampler.py: the same tokens, logprobs, masks and finished flags.
 
 Both sample one completion per token-id prompt:
+- row i's token t is drawn with the uniform seeds.uniforms(seed, keys[i], t), by inverse CDF
+  over float64 probabilities (the exact distribution to float64 rounding), so what a row
+  samples depends on its key and nothing else: not on its slot, the KV budget, the rows beside
+  it or the rank it runs on. make_llm keys a row by (stream, problem, rollout, call);
 - logits are divided by the temperature and upcast to fp32 before the log-softmax; the
   returned logprob of a token is under that temperature-scaled distribution (top-p only
   narrows which tokens can be drawn; with top_p=1, the paper's setting, it is exactly the

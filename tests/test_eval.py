@@ -12,6 +12,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 import analysis
 import eval as ev
@@ -302,6 +303,15 @@ def test_checkpoint_of_a_run_folder_takes_the_runs_settings(trained_run, capsys)
     assert res["problems"] == 3  # the run's own evaluation set (3 of the 4 test problems)
     assert res["quality"]["roles"]["generator"]["len_tokens"] <= 6
     assert "config.json: workflow voting, task math" in err
+    # the run's own draws for that step: the numbers its eval.jsonl holds, to the last token
+    step = torch.load(os.path.join(run, "ckpt-best", "state.pt"), weights_only=False)["step"]
+    with open(os.path.join(run, "eval.jsonl")) as f:
+        rec = [r for r in map(json.loads, f) if r["step"] == step][0]
+    assert res["pass@k"]["1"] == rec["acc"] and res["stream"] == ["eval", step]
+    assert {r: q["len_tokens"] for r, q in res["quality"]["roles"].items()} == rec["len"]
+    assert f"those of the run's evaluation at step {step} (its eval.jsonl line)" in err
+    other, _ = _eval_json(capsys, "--checkpoint", run, "--seed", "7")
+    assert other["seed"] == 7 and {r: q["len_tokens"] for r, q in other["quality"]["roles"].items()} != rec["len"]
 
 
 def test_checkpoint_flags_win_and_problems_are_capped(trained_run, capsys):
