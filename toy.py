@@ -339,13 +339,24 @@ def build(task: str, warm: dict, folder: str, quiet: bool = False) -> None:
         shutil.rmtree(stale, ignore_errors=True)   # what a killed build left (we hold the lock)
     tmp, old = folder + f".tmp{os.getpid()}", folder + f".old{os.getpid()}"
     model, tok = warm_start(task, warm, quiet=quiet)
-    model.save_pretrained(tmp)
+    save_model(model, tmp)
     tok.save_pretrained(tmp)
     open(os.path.join(tmp, COMPLETE), "w").close()
     if os.path.isdir(folder):
         os.replace(folder, old)
     os.replace(tmp, folder)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def save_model(model, folder: str) -> None:
+    """The model as a Hugging Face folder (config, generation config, model.safetensors), written
+    by whichever process builds it: transformers' save_pretrained writes nothing on a
+    torch.distributed rank other than 0, and under torchrun the builder may be any rank."""
+    from safetensors.torch import save_model as save_tensors
+    os.makedirs(folder, exist_ok=True)
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    save_tensors(model, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})   # tied weights once
 
 
 def new_model(tok):

@@ -537,3 +537,18 @@ def test_make_clip_keeps_head_and_tail_within_the_budget():
     assert text.startswith(head) and tail.split("...]\n", 1)[1] and text.endswith(tail.split("...]\n", 1)[1])
     assert len(tok(head + tail.split("...]\n", 1)[1])["input_ids"]) == 40 and short.endswith("\\boxed{42}")
     assert clip("short") == "short" and rollout.make_clip(tok, None)(text) == text
+
+
+def test_a_build_on_a_rank_other_than_0_writes_a_whole_model(tmp_path, monkeypatch):
+    # under torchrun any rank may win the build lock; transformers' save_pretrained would write
+    # no weights on rank 1, so the toy folder writes its files itself
+    import transformers.distributed.mixin as mixin
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True, raising=False)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1, raising=False)
+    monkeypatch.setattr(toy, "CACHE", str(tmp_path))
+    torch.set_num_threads(1)
+    folder = toy.model_folder("math", TINY, quiet=True)
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(folder))
+    monkeypatch.undo()
+    model, tok = policies.load(folder)
+    assert model.config.vocab_size == len(tok) and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
