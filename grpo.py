@@ -20,7 +20,8 @@ Each choice and the train.py flag that sets it (the flags fill a `Hyper`, fields
   `--kl-coef-role ROLE=VALUE`; the reference is the base model (`policy.using(None)`: for LoRA,
   the adapter switched off). No entropy bonus.
 - logp_old is recomputed by this training forward, once, before the first mini-batch (the
-  sampler's logprobs differ numerically even at equal weights).
+  sampler's logprobs differ numerically even at equal weights); an adapter's first mini-batch
+  runs at those same weights, so its own forward's logprobs, detached, are its old ones.
 - temperature: logits / `--temperature` in the trainer exactly as in the sampler.
 - one epoch; each optimizer's n samples are shuffled and cut into ceil(n / `--mini-batch`)
   mini-batches of near-equal size (512 each at the paper's settings), one AdamW step per
@@ -377,26 +378,37 @@ def rows_to_run(samples, hp: Hyper) -> list:
 
 
 @torch.no_grad()
-def reference_logprobs(policy, samples, runs, hp: Hyper):
+def reference_logprobs(policy, samples, recompute, runs, hp: Hyper):
     """(old, entropy, ref): per-sample 1-D tensors from the training forward before any
-    parameter moves, None for rows that do not run; ref only for rows whose role has a KL."""
+    parameter moves for the rows in `recompute`, None for the others (those of an adapter's
+    first mini-batch get theirs from their own training forward, see micro_loss); ref for the
+    rows that run and whose role has a KL."""
     old, ent, ref = [None] * len(samples), [None] * len(samples), [None] * len(samples)
     by_name = defaultdict(list)
     for i, s in enumerate(samples):
-        if runs[i]:
+        if recompute[i]:
             by_name[policy.adapter(s.role)].append(i)
     for name, rows in by_name.items():
-        with policy.using(name) as model:
+        with policy.inference(name) as model:
             lps, ents = sequence_logprobs(model, [samples[i] for i in rows], hp.temperature, hp.token_budget)
         for i, lp, e in zip(rows, lps, ents):
             old[i], ent[i] = lp, e
     kl_rows = [i for i in range(len(samples)) if runs[i] and hp.kl(samples[i].role)]
     if kl_rows:
-        with policy.using(None) as model:   # the frozen base is the KL reference
+        with policy.inference(None) as model:   # the frozen base is the KL reference
             lps, _ = sequence_logprobs(model, [samples[i] for i in kl_rows], hp.temperature, hp.token_budget)
         for i, lp in zip(kl_rows, lps):
             ref[i] = lp
     return old, ent, ref
+
+
+def adapter_rows(policy, samples, name, shuffle=None) -> list:
+    """The rows that train adapter `name`, shuffled with the torch.Generator `shuffle` (None: in
+    order)."""
+    rows = [i for i, s in enumerate(samples) if policy.adapter(s.role) == name]
+    if shuffle is not None and rows:
+        rows = [rows[j] for j in torch.randperm(len(rows), generator=shuffle).tolist()]
+    return rows
 
 
 def minibatches(rows: list, size: int) -> list:
@@ -427,12 +439,20 @@ def _padded(ts, T, dev):
     return out
 
 
-def micro_loss(model, samples, rows, old, ref, hp: Hyper, denom):
+def micro_loss(model, samples, rows, refs, hp: Hyper, denom):
     """The loss of one micro-batch (one slot, so one role) as its part of the mini-batch loss,
-    and its per-token (mask, ratio, clipped, k3)."""
-    beta = hp.kl(samples[rows[0]].role)
-    logp, _, mask = batch_logprobs(model, [samples[i].prompt_ids for i in rows],
-                                   [samples[i].completion_ids for i in rows], hp.temperature)  # (B, T)
+    and its per-token (mask, ratio, clipped, k3). refs = (old, entropy, ref) per sample; rows
+    without an old logprob are in their adapter's first mini-batch, whose forward runs at the
+    old weights: its own logprobs (detached) and entropies become theirs."""
+    old, ent, ref = refs
+    beta, first = hp.kl(samples[rows[0]].role), old[rows[0]] is None
+    logp, entropy, mask = batch_logprobs(model, [samples[i].prompt_ids for i in rows],
+                                         [samples[i].completion_ids for i in rows], hp.temperature,
+                                         entropy=first)                                         # (B, T)
+    if first:
+        for r, i in enumerate(rows):
+            n = len(samples[i].completion_ids)
+            old[i], ent[i] = logp[r, :n].detach(), entropy[r, :n]
     T, dev = logp.shape[1], logp.device
     adv = torch.tensor([samples[i].advantage for i in rows], device=dev, dtype=torch.float32)   # (B,)
     loss, _, ratio, clipped, k3 = objective(
@@ -443,21 +463,21 @@ def micro_loss(model, samples, rows, old, ref, hp: Hyper, denom):
 
 
 def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, probe=None) -> None:
-    """One training step over `samples`: old logprobs once, then for every adapter its rows
-    shuffled with the torch.Generator `shuffle` (None: in order), cut into mini-batches, one
-    optimizer step each; then every scheduler steps once."""
+    """One training step over `samples`: every adapter's rows shuffled with the torch.Generator
+    `shuffle` (None: in order) and cut into mini-batches; old logprobs once, for the rows after
+    each adapter's first mini-batch (that one runs at the old weights); one optimizer step per
+    mini-batch; then every scheduler steps once."""
     probe = probe or Probe()
     if set(hp.kl_coef_role) - set(policy.roles):
         raise KeyError(f"kl_coef_role names roles {sorted(set(hp.kl_coef_role) - set(policy.roles))} not in {policy.roles}")
     runs = rows_to_run(samples, hp)
-    old, ent, ref = reference_logprobs(policy, samples, runs, hp)
-    probe.begin(samples, runs, old, ent)
+    plan = {name: minibatches(adapter_rows(policy, samples, name, shuffle), hp.mini_batch) for name in policy.names}
+    later = set(i for mbs in plan.values() for mb in mbs[1:] for i in mb)
+    refs = reference_logprobs(policy, samples, [runs[i] and i in later for i in range(len(samples))], runs, hp)
+    probe.begin(samples, runs, *refs[:2])
     for name in policy.names:
         opt, params = optimizers[name], policy.parameters_of(name)
-        rows = [i for i, s in enumerate(samples) if policy.adapter(s.role) == name]
-        if shuffle is not None and rows:
-            rows = [rows[j] for j in torch.randperm(len(rows), generator=shuffle).tolist()]
-        for mb in minibatches(rows, hp.mini_batch):
+        for mb in plan[name]:
             denom = denominator(samples, mb, hp.loss_norm)
             for p in params:  # zeros, not None: a mini-batch with nothing to run still steps AdamW
                 p.grad = torch.zeros_like(p)
@@ -465,7 +485,7 @@ def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, pro
                 for micro in micro_batches(samples, [i for i in slot_rows if runs[i]], hp.token_budget):
                     # the backward runs under the adapter too: checkpointed layers recompute in it
                     with policy.using(name) as model:
-                        loss, per_token = micro_loss(model, samples, micro, old, ref, hp, denom)
+                        loss, per_token = micro_loss(model, samples, micro, refs, hp, denom)
                         loss.backward()
                     probe.tokens(role, *per_token)
                 probe.slot_done(name, role, slot, params)
@@ -474,5 +494,5 @@ def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, pro
             opt.step()
             probe.after_step(name, float(norm))
         opt.zero_grad(set_to_none=True)
-        probe.adapter_done(name, len(rows), opt.param_groups[0]["lr"])
+        probe.adapter_done(name, sum(map(len, plan[name])), opt.param_groups[0]["lr"])
     step_schedulers(schedulers)

@@ -154,6 +154,14 @@ class LoRA(nn.Module):
         # fp32 adapters on a bf16 base: compute in fp32, return in the base's dtype
         return (x.float() @ self.A[name][i].t() @ self.B[name][i].t() * self.scale).to(x.dtype)
 
+    def add_delta(self, name: str, i: int, x, out):
+        """out + scale * x A^T B^T as one fused multiply-add (the common fp32 case), else via delta."""
+        if x.dtype != torch.float32 or out.dtype != torch.float32:
+            return out + self.delta(name, i, x)
+        u = x.reshape(-1, x.shape[-1]) @ self.A[name][i].t()                  # (N, r)
+        y = torch.addmm(out.reshape(-1, out.shape[-1]), u, self.B[name][i].t(), alpha=self.scale)
+        return y.view(out.shape)
+
     def _hook(self, i: int):
         def hook(module, inputs, out):
             active = self.active
@@ -161,7 +169,7 @@ class LoRA(nn.Module):
                 return out
             x = inputs[0]
             if isinstance(active, str):
-                return out + self.delta(active, i, x)
+                return self.add_delta(active, i, x, out)
             out = out.clone()  # per-row adapters: rows grouped by name
             for name in set(active):
                 rows = torch.tensor([r for r, a in enumerate(active) if a == name], device=x.device)
@@ -230,6 +238,29 @@ class Policy(nn.Module):
         try:
             yield self.model
         finally:
+            self.lora.active = prev
+
+    @contextlib.contextmanager
+    def inference(self, name):
+        """Like `using`, for forwards without grad: on an fp32 base the adapter is folded into the
+        base weights (W + scale B A) for the duration, one matmul a layer instead of the hook's
+        three, and the base's own weights are put back exactly after. On a bf16 base the hooks
+        run, since folding would round the adapter's small update into the base's precision."""
+        if self.isolation == "full" or name is None or isinstance(name, list) or torch.is_grad_enabled() \
+                or next(self.model.parameters()).dtype != torch.float32:
+            with self.using(name) as model:
+                yield model
+            return
+        mods = list(self.lora.targets.values())
+        base = [m.weight.data for m in mods]
+        prev, self.lora.active = self.lora.active, None
+        try:
+            for i, m in enumerate(mods):
+                m.weight.data = self.lora.merged_weight(name, i, base[i])
+            yield self.model
+        finally:
+            for m, w in zip(mods, base):
+                m.weight.data = w
             self.lora.active = prev
 
     # ------------------------------------------------------------------------- files

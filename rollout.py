@@ -686,7 +686,7 @@ def make_llm(policy, *, temperature: float = 0.7, top_p: float = 1.0, max_new_to
         s = stats.setdefault(role, {"calls": 0, "prompt_cut": 0})
         s["calls"] += len(prompts)
         s["prompt_cut"] += sum(cut for _, cut in rendered)
-        with policy.using(policy.adapter(role)) as model:
+        with torch.no_grad(), policy.inference(policy.adapter(role)) as model:
             out = generate(model, prompts, max_new_tokens, stops, tok.pad_token_id, temperature=temperature,
                            top_p=top_p, seed=seed, keys=row_keys, kv_budget=kv_budget, max_rows=max_rows, stats=s)
         calls = []

@@ -273,7 +273,7 @@ def _verdict_text(problem, task, attempt, rng) -> str:
     return _feedback(task, truth if rng.random() < JUDGE else not truth, rng)
 
 
-TRANSCRIPTS = 1  # bump when the transcript code changes, so cached models are rebuilt
+TRANSCRIPTS = 2  # bump when the transcripts or their batches change, so cached models are rebuilt
 # Solutions (generator, reviser, worker, synthesizer) teach the arithmetic every role leans on,
 # so they get most of the batches; verdicts, picks and plans are short and learned quickly.
 ROLE_MIX = {"generator": 0.35, "reviser": 0.1, "evaluator": 0.12, "aggregator": 0.12,
@@ -371,27 +371,45 @@ def new_model(tok):
 
 
 def sft_batch(tok, task, rng, n):
-    """(ids, attention mask, loss mask), each (B, L), of n right-padded transcripts, each of a
-    role drawn by ROLE_MIX; the loss covers the completion and its <|im_end|>."""
+    """n transcripts, each of a role drawn by ROLE_MIX, packed into rows: (ids (R, L), position
+    ids (R, L), attention (R, 1, L, L) bool, loss mask (R, L), segments: per row the (start, end)
+    of each transcript). A row holds several transcripts end to end, each attending only to
+    itself (block-diagonal causal mask) and counting positions from 0, so no compute goes to
+    padding; the loss covers each completion and its <|im_end|>. A prediction across two
+    transcripts is never in the loss: every transcript starts with prompt tokens."""
     train = _all_problems(task, "train")
     roles, weights = zip(*ROLE_MIX.items())
-    rows, masks = [], []
+    seqs = []
     for _ in range(n):
         msgs, target = transcript(rng.choice(train), task, rng.choices(roles, weights)[0], rng)
         p = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         p_ids = tok(p, add_special_tokens=False)["input_ids"]
         c_ids = tok(target + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        rows.append(p_ids + c_ids)
-        masks.append([0] * len(p_ids) + [1] * len(c_ids))
-    L = max(map(len, rows))
-    ids = torch.full((n, L), tok.pad_token_id)
-    attn = torch.zeros((n, L), dtype=torch.long)
-    loss_mask = torch.zeros((n, L))
-    for i, (r, m) in enumerate(zip(rows, masks)):
-        ids[i, : len(r)] = torch.tensor(r)
-        attn[i, : len(r)] = 1
-        loss_mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
-    return ids, attn, loss_mask
+        seqs.append((p_ids + c_ids, [0] * len(p_ids) + [1] * len(c_ids)))
+    L = max(len(ids) for ids, _ in seqs)
+    rows = []   # first fit, longest first: rows of at most L tokens
+    for k in sorted(range(n), key=lambda k: -len(seqs[k][0])):
+        row = next((r for r in rows if sum(len(seqs[j][0]) for j in r) + len(seqs[k][0]) <= L), None)
+        rows.append([k]) if row is None else row.append(k)
+    R = len(rows)
+    ids = torch.full((R, L), tok.pad_token_id)
+    pos = torch.zeros((R, L), dtype=torch.long)
+    seg = torch.full((R, L), -1)                    # which transcript a column holds, -1 padding
+    loss_mask = torch.zeros((R, L))
+    segments = []
+    for r, row in enumerate(rows):
+        at, spans = 0, []
+        for k in row:
+            t, m = seqs[k]
+            ids[r, at:at + len(t)], loss_mask[r, at:at + len(t)] = torch.tensor(t), torch.tensor(m, dtype=torch.float)
+            pos[r, at:at + len(t)], seg[r, at:at + len(t)] = torch.arange(len(t)), k
+            spans.append((at, at + len(t)))
+            at += len(t)
+        segments.append(spans)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    attn = causal & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)   # (R, L, L)
+    attn |= torch.eye(L, dtype=torch.bool)        # a padding column attends to itself: no empty row
+    return ids, pos, attn[:, None], loss_mask, segments
 
 
 def warm_start(task: str, warm: dict, quiet: bool = False):
@@ -406,8 +424,8 @@ def warm_start(task: str, warm: dict, quiet: bool = False):
         0.05, 0.5 * (1 + math.cos(math.pi * s / warm["steps"]))))
     bar = tqdm(range(warm["steps"]), desc=f"toy warm start ({task})", disable=quiet)
     for _ in bar:
-        ids, attn, m = sft_batch(tok, task, rng, warm["batch"])
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (B, L-1, V)
+        ids, pos, attn, m, _ = sft_batch(tok, task, rng, warm["batch"])
+        logits = model(input_ids=ids, position_ids=pos, attention_mask=attn).logits[:, :-1]  # (R, L-1, V)
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
         opt.zero_grad(set_to_none=True)

@@ -140,3 +140,25 @@ def test_load_local_folder_and_stop_ids(tmp_path):
     model, tk = policies.load(str(tmp_path))
     assert not any(p.requires_grad for p in model.parameters())
     assert policies.stop_ids(model, tk) == [1, 2]
+
+
+def test_inference_folds_the_adapter_in_and_puts_the_base_back_exactly():
+    from conftest import tiny_qwen3
+    model = tiny_qwen3(seed=0)
+    pol = policies.Policy(model, None, ("generator",), "shared", rank=4, alpha=8)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in pol.parameters_of("shared"):
+            p.normal_(0, 0.1)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(3, 60, (3, 9))
+    with torch.no_grad():
+        with pol.using("shared") as m:
+            hooked = m(input_ids=ids).logits
+        with pol.inference("shared") as m:
+            assert pol.lora.active is None                      # no hook runs: the weights hold it
+            folded = m(input_ids=ids).logits
+    assert torch.allclose(folded, hooked, rtol=1e-5, atol=1e-6) and not torch.equal(folded, model(input_ids=ids).logits)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in base.items())   # the base as it was
+    with pol.inference("shared") as m:                           # with grad enabled: the hooks, not a fold
+        assert pol.lora.active == "shared"

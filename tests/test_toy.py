@@ -336,18 +336,36 @@ def test_aggregator_follows_the_majority_at_rate_pick():
 
 
 @pytest.mark.parametrize("task", TASKS)
-def test_sft_batch_masks_only_the_completion(tok, task):
-    ids, attn, loss_mask = toy.sft_batch(tok, task, random.Random(0), 6)
-    assert ids.shape == attn.shape == loss_mask.shape and ids.shape[0] == 6
-    for row, a, m in zip(ids.tolist(), attn.tolist(), loss_mask.tolist()):
-        n = sum(a)
-        assert a == [1] * n + [0] * (len(a) - n)                    # right padding
-        assert row[n:] == [tok.pad_token_id] * (len(row) - n)
-        assert all(mi <= ai for mi, ai in zip(m, a))                 # no loss on padding
-        first = m.index(1)
-        assert m[first:n] == [1] * (n - first)                       # one contiguous completion
-        assert tok.decode(row[:first]).endswith("<|im_start|>assistant\n")
-        assert row[n - 1] == tok.eos_token_id                        # the stop token is learned
+def test_sft_batch_packs_transcripts_and_masks_only_their_completions(tok, task):
+    ids, pos, attn, loss_mask, segments = toy.sft_batch(tok, task, random.Random(0), 12)
+    R, L = ids.shape
+    assert pos.shape == loss_mask.shape == (R, L) and attn.shape == (R, 1, L, L) and R < 12   # packed
+    assert sum(map(len, segments)) == 12
+    for r, spans in enumerate(segments):
+        row, m = ids[r].tolist(), loss_mask[r].tolist()
+        for a, b in spans:
+            assert pos[r, a:b].tolist() == list(range(b - a))            # each counts from 0
+            block = attn[r, 0, a:b]
+            assert bool(block[:, a:b].equal(torch.ones(b - a, b - a, dtype=torch.bool).tril()))  # causal, itself
+            assert not block[:, :a].any() and not block[:, b:].any()      # and nothing else
+            first = m.index(1, a)
+            assert m[a:first] == [0] * (first - a) and m[first:b] == [1] * (b - first)   # one completion
+            assert tok.decode(row[a:first]).endswith("<|im_start|>assistant\n")
+            assert row[b - 1] == tok.eos_token_id                        # the stop token is learned
+        end = spans[-1][1]
+        assert row[end:] == [tok.pad_token_id] * (L - end) and not any(m[end:])   # no loss on padding
+
+
+def test_packed_rows_give_each_transcript_its_own_logits(tok):
+    ids, pos, attn, _, segments = toy.sft_batch(tok, "math", random.Random(1), 6)
+    torch.manual_seed(0)
+    model = toy.new_model(tok).eval()
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos, attention_mask=attn).logits
+        r = next(r for r, spans in enumerate(segments) if len(spans) > 1)
+        for a, b in segments[r]:
+            alone = model(input_ids=ids[r:r + 1, a:b]).logits[0]
+            assert torch.allclose(packed[r, a:b], alone, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------
