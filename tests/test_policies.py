@@ -158,7 +158,7 @@ def test_inference_folds_the_adapter_in_and_puts_the_base_back_exactly():
         with pol.inference("shared") as m:
             assert pol.lora.active is None                      # no hook runs: the weights hold it
             folded = m(input_ids=ids).logits
-    assert torch.allclose(folded, hooked, rtol=1e-5, atol=1e-6) and not torch.equal(folded, model(input_ids=ids).logits)
+    assert float((folded - hooked).abs().max()) < 1e-4 and not torch.equal(folded, model(input_ids=ids).logits)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in base.items())   # the base as it was
     with pol.inference("shared") as m:                           # with grad enabled: the hooks, not a fold
         assert pol.lora.active == "shared"
