@@ -33,7 +33,39 @@ class CoherenceDamp:
         return scale, cos
 
     def state_dict(self) -> dict:
-        return {"ema": {r: m.cpu() for r, m in self.ema.items()}}
+        return {"ema": {r: m.detach().cpu().clone() for r, m in self.ema.items()}}   # a copy: the EMA moves in place
 
     def load_state_dict(self, state: dict, device=None) -> None:
-        self.ema = {r: m.to(device) if device is not None else m for r, m in state["ema"].items()}
+        self.ema = {r: m.to(device).clone() if device is not None else m.clone() for r, m in state["ema"].items()}
+
+
+class PlaceboDamp(CoherenceDamp):
+    """The placebo of coherence damping (`--damp-placebo`): the same scale factors in
+    distribution, with no coherence signal. At each optimizer step it finds the factor
+    CoherenceDamp would apply, adds it to the role's history, and applies instead one drawn
+    uniformly from that history (keyed by the seed, the role and the step count, so a resumed
+    run draws the same). A rescue that the placebo also gives is not the coherence mechanism."""
+
+    def __init__(self, lambdas: dict, window: int = 10, seed: int = 0):
+        super().__init__(lambdas, window)
+        self.seed, self.history = seed, {}
+
+    def __call__(self, role: str, g):
+        if role not in self.lambdas:
+            return 1.0, None
+        import seeds
+        m = self.ema.get(role)
+        cos = cosine(g, m) if m is not None else None
+        past = self.history.setdefault(role, [])
+        past.append(1.0 - self.lambdas[role] * max(0.0, cos) if cos is not None else 1.0)
+        pick = seeds.derive(self.seed, "placebo", role, len(past)) % len(past)
+        scale = past[pick]
+        self.ema[role] = g * scale if m is None else m.mul_(self.decay).add_(g, alpha=(1 - self.decay) * scale)
+        return scale, cos
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "history": {r: list(h) for r, h in self.history.items()}}
+
+    def load_state_dict(self, state: dict, device=None) -> None:
+        super().load_state_dict(state, device)
+        self.history = {r: list(h) for r, h in state.get("history", {}).items()}

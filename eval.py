@@ -298,11 +298,11 @@ def evaluate(llm, workflow: str, problems: list, task: str, samples: int = 1, ba
 
 
 def eval_record(llm, workflow: str, problems: list, task: str, step: int, batch_size: int = 16,
-                progress: bool = True) -> dict:
+                progress: bool = True, **wf_params) -> dict:
     """The eval.jsonl record of a training run's evaluation at `step`: pass@1 on the held-out
     problems, with per-role parse-failure rate, mean length, code-block rate and calls."""
     res = evaluate(llm, workflow, problems, task, samples=1, batch_size=batch_size, progress=progress,
-                   stream=("eval", step))
+                   stream=("eval", step), **wf_params)
     roles = res["quality"]["roles"]
     return {"step": step, "acc": res["pass@k"][1], "n": res["problems"],
             "parse_fail": {r: q.get("fallbacks_per_call", 0.0) for r, q in roles.items()},
@@ -392,6 +392,11 @@ def resolve_settings(args) -> tuple:
     # scoring a run on its own evaluation set: the same subset, so the number compares with eval.jsonl
     st["problems"] = args.problems or (cfg.get("eval_problems") if run_data and st["data"] == run_data else None)
     st.update(_draws(args, cfg, checkpoint))
+    # the workflow's own settings of the run (--n-voters, --eval-rounds, --max-workers, --toy-check)
+    from flags import WORKFLOW_PARAMS
+    st["params"] = {kw: cfg[dest] for dest, (wf, kw, _) in WORKFLOW_PARAMS.items()
+                    if cfg.get(dest) is not None and wf == st["workflow"]}
+    st["toy_check"] = cfg.get("toy_check") or 0
     default_new, default_prompt, default_embed = tasks.length_limits(st["scale"], st["task"])
     st["max_new_tokens"] = st["max_new_tokens"] or default_new
     st["max_prompt_tokens"] = st["max_prompt_tokens"] or default_prompt
@@ -442,7 +447,8 @@ def _check_toy_data(st: dict) -> None:
 def _make_llm(args, st: dict, kind: str):
     import policies
     import rollout
-    model, tokenizer = policies.load(st["scale"], device=args.device, toy_task=kind, quiet=args.quiet or args.json)
+    model, tokenizer = policies.load(st["scale"], device=args.device, toy_task=kind, quiet=args.quiet or args.json,
+                                     toy_check=st["toy_check"])
     policy = policies.Policy(model, tokenizer, workflows.ROLES[st["workflow"]], st["sharing"],
                              isolation=st["isolation"], rank=st["lora_rank"], alpha=st["lora_alpha"])
     if st["checkpoint"]:
@@ -494,7 +500,7 @@ def _evaluate_cli(args):
         if not args.quiet:
             print(n, file=sys.stderr)
     res = evaluate(llm, st["workflow"], problems, st["task"], samples=args.samples, batch_size=st["batch_size"],
-                   progress=not (args.json or args.quiet), stream=st["stream"])
+                   progress=not (args.json or args.quiet), stream=st["stream"], **st["params"])
     res.update(scale=st["scale"], checkpoint=st["checkpoint"], data=st["data"], temperature=args.temperature,
                seed=st["seed"], stream=list(st["stream"]),
                sharing=st["sharing"], isolation=st["isolation"], max_new_tokens=st["max_new_tokens"],

@@ -75,6 +75,15 @@ def _what_flags(g):
                     help="shared: one set of trainable weights for all roles; isolated: one per role (default: %(default)s)")
     g.add_argument("--isolation", default="lora", choices=["lora", "full"],
                     help="what a role's weights are: a LoRA adapter, or a full copy of the model (default: %(default)s)")
+    g.add_argument("--n-voters", type=int, default=None, help="voting: generators that answer the same prompt, "
+                   "1-9 (default: 3, the paper's)")
+    g.add_argument("--eval-rounds", type=int, default=None, help="eval_opt: most evaluator rounds, 0-9 (default: 3 "
+                   "for math, 2 for code, the paper's)")
+    g.add_argument("--max-workers", type=int, default=None, help="orch_workers: most strategies, so workers, an "
+                   "episode runs, 1-9 (default: 3, the paper's)")
+    g.add_argument("--toy-check", type=int, default=None, help="toy world only: the supervisors (aggregator, "
+                   "evaluator) write a check of this many tokens before their verdict, learned in the warm start "
+                   "(a knob of their share of each step's gradient) (default: 0)")
 
 
 def _rollout_flags(g):
@@ -120,6 +129,8 @@ def _optimisation_flags(g):
     g.add_argument("--coherence-damp", action="append", default=[], metavar="ROLE=LAMBDA",
                     help="scale a role's gradient by 1 - LAMBDA max(0, cos(g, EMA of its past gradients)) at each optimizer step, repeatable")
     g.add_argument("--coherence-window", type=int, default=10, help="EMA window of --coherence-damp, optimizer steps (default: %(default)s)")
+    g.add_argument("--damp-placebo", action="store_true", help="with --coherence-damp: apply scale factors drawn "
+                   "from those damping would apply, with no relation to the gradient's coherence (the control)")
     g.add_argument("--lora-rank", type=int, default=None, help="LoRA rank" + scale_default("lora_rank"))
     g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha" + scale_default("lora_alpha"))
 
@@ -246,6 +257,7 @@ def check_args(ap, args):
     if args.token_budget < row:
         ap.error(f"--token-budget {args.token_budget} holds no row at the length limits: at least {row} "
                  "(max-prompt-tokens + max-new-tokens)")
+    _check_workflow_params(ap, args)
     _check_device(ap, args.device)
     package = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(args.log_to)
     if package and importlib.util.find_spec(package) is None:  # before minutes of model loading
@@ -254,6 +266,8 @@ def check_args(ap, args):
         ap.error("--kv-budget-gb must be > 0")
     if any(not 0 <= v <= 1 for v in args.coherence_damp.values()):
         ap.error("--coherence-damp LAMBDA must be in [0, 1]")
+    if args.damp_placebo and not args.coherence_damp:
+        ap.error("--damp-placebo needs --coherence-damp ROLE=LAMBDA: the damping it is the placebo of")
     if args.scale == "toy":
         for flag, data in (("--data", args.data), ("--eval-data", args.eval_data)):
             if data and data not in ("toy_math", "toy_code"):
@@ -265,6 +279,36 @@ def check_args(ap, args):
         ap.error(str(e))
     if os.path.exists(os.path.join(args.out, "config.json")):
         ap.error(f"run folder {args.out} exists; pass --resume {args.out} to continue it or --out to start anew")
+
+
+# workflow parameters a flag sets: flag dest -> (workflow, the workflow function's keyword, its range)
+WORKFLOW_PARAMS = {"n_voters": ("voting", "n_voters", (1, 9)), "eval_rounds": ("eval_opt", "max_rounds", (0, 9)),
+                   "max_workers": ("orch_workers", "max_strategies", (1, 9))}
+
+
+def workflow_params(args) -> dict:
+    """The keyword arguments of the workflow function that the flags set (workflows.run_workflow)."""
+    return {kw: getattr(args, dest) for dest, (_, kw, _) in WORKFLOW_PARAMS.items()
+            if getattr(args, dest, None) is not None}
+
+
+def _check_workflow_params(ap, args):
+    for dest, (workflow, _, (lo, hi)) in WORKFLOW_PARAMS.items():
+        value, flag = getattr(args, dest), "--" + dest.replace("_", "-")
+        if value is None:
+            continue
+        if args.workflow != workflow:
+            ap.error(f"{flag} is a setting of {workflow}; --workflow is {args.workflow}")
+        if not lo <= value <= hi:
+            ap.error(f"{flag} must be in {lo}..{hi}")
+    if args.toy_check is not None:
+        if args.scale != "toy":
+            ap.error("--toy-check is a setting of the toy world (--scale toy)")
+        if not 0 <= args.toy_check <= 64:
+            ap.error("--toy-check must be in 0..64 tokens")
+        if args.toy_check + 12 > args.max_new_tokens:
+            ap.error(f"--toy-check {args.toy_check}: a supervisor's check and verdict would not fit in "
+                     f"--max-new-tokens {args.max_new_tokens}; raise it to at least {args.toy_check + 12}")
 
 
 def hyper(args):

@@ -99,17 +99,29 @@ def lr_tag(lr):
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
-def cells(wfs, tasks, sharings, scale, seeds, lrs=None):
-    """(name, train.py flags) for every cell, in the order of the report."""
+def cells(wfs, tasks, sharings, scale, seeds, lrs=None, axes=()):
+    """(name, train.py flags) for every cell, in the order of the report. `axes`: (flag, values)
+    pairs, each value a cell of its own, named by the flag and the value (`-n-voters5`)."""
     tag = os.path.basename(os.path.normpath(scale))  # a model folder path names the cell by its last part
     out = []
     for wf, task in itertools.product(wfs, tasks):
         shs = sharings if wf != "single" else ["shared" if "shared" in sharings else sharings[0]]
-        for sh, lr, seed in itertools.product(shs, lrs or [None], seeds):
-            name = f"{wf}-{task}-{sh}-{tag}" + (f"-lr{lr_tag(lr)}" if lr else "") + f"-s{seed}"
+        for sh, lr, *point, seed in itertools.product(shs, lrs or [None], *(values for _, values in axes), seeds):
+            extra = [x for (flag, _), v in zip(axes, point) for x in (flag, v)]
+            name = (f"{wf}-{task}-{sh}-{tag}" + (f"-lr{lr_tag(lr)}" if lr else "")
+                    + "".join(f"-{flag.lstrip('-')}{v}" for (flag, _), v in zip(axes, point)) + f"-s{seed}")
             flags = ["--workflow", wf, "--task", task, "--sharing", sh, "--scale", scale, "--seed", str(seed)]
-            out.append((name, flags + (["--lr", str(lr)] if lr else [])))
+            out.append((name, flags + (["--lr", str(lr)] if lr else []) + extra))
     return out
+
+
+def parse_axis(p, text):
+    """`FLAG=V1,V2,...` (FLAG with or without its dashes) -> ("--FLAG", [values])."""
+    flag, _, values = text.partition("=")
+    values = [v for v in values.split(",") if v]
+    if not flag or not values:
+        p.error(f"--axis {text!r}: expected FLAG=V1,V2,... (e.g. --axis n-voters=1,3,5)")
+    return "--" + flag.lstrip("-"), list(dict.fromkeys(values))
 
 
 def command(name, flags, out, extra):
@@ -124,12 +136,16 @@ def command(name, flags, out, extra):
 
 
 def toy_builds(args, jobs):
-    """At --scale toy, one `toy.py --task T` per task still to run (it returns at once when cached)."""
+    """At --scale toy, one `toy.py --task T [--check L]` per toy model the cells still to run use
+    (it returns at once when cached)."""
     if args.scale != "toy":
         return []
-    tasks = [t for t in args.tasks if any(j.task == t for j in jobs)]
-    return [Job(f"toy-{t}", [sys.executable, os.path.join(HERE, "toy.py"), "--task", t],
-                os.path.join(args.out, "logs", f"toy-{t}.log")) for t in tasks]
+    models = list(dict.fromkeys((j.task, j.cmd[j.cmd.index("--toy-check") + 1] if "--toy-check" in j.cmd else "0")
+                                for j in jobs))
+    return [Job(f"toy-{t}" + (f"-check{c}" if c != "0" else ""),
+                [sys.executable, os.path.join(HERE, "toy.py"), "--task", t, *(["--check", c] if c != "0" else [])],
+                os.path.join(args.out, "logs", f"toy-{t}" + (f"-check{c}" if c != "0" else "") + ".log"))
+            for t, c in sorted(models, key=lambda m: (args.tasks.index(m[0]), int(m[1])))]
 
 
 # ----------------------------------------------------------------------------- flags
@@ -167,7 +183,7 @@ def check_cells(p, matrix, extra):
             if e.code:
                 lines = [line for line in err.getvalue().splitlines() if line.startswith("error:")]
                 msg = lines[-1][len("error: "):].split(" (see python train.py --help)")[0] if lines else f"exit {e.code}"
-                p.error(f"cell {name}: train.py refuses the flags after `--`: {msg}")
+                p.error(f"cell {name}: train.py refuses its flags: {msg}")
 
 
 def parse_args(argv=None):
@@ -193,6 +209,9 @@ def parse_args(argv=None):
     p.add_argument("--lrs", nargs="+", type=positive_float, default=None,
                    help="learning rates, one cell each, passed as --lr (default: none: train.py's lr, "
                         "names without lr)")
+    p.add_argument("--axis", action="append", default=[], metavar="FLAG=V1,V2,...",
+                   help="one more axis: train.py's --FLAG at each value, a cell each (repeatable), e.g. "
+                        "--axis n-voters=1,2,3,5,8; the cell names end in -FLAGVALUE")
     # --- running
     p.add_argument("--out", default="runs/matrix",
                    help="folder of the cell folders, logs/ and report.md (default: %(default)s)")
@@ -208,10 +227,16 @@ def parse_args(argv=None):
 
     if args.jobs < 1:
         p.error("--jobs must be at least 1")
-    check_extra(p, extra, CELL_FLAGS + (("--lr",) if args.lrs else ()))
+    args.axes = [parse_axis(p, a) for a in args.axis]
+    flags_of_axes = tuple(f for f, _ in args.axes)
+    if len(set(flags_of_axes)) < len(flags_of_axes) or set(flags_of_axes) & set(CELL_FLAGS + ("--lr",)):
+        p.error("--axis: each flag once, and none the sweep sets itself (workflow, task, sharing, scale, seed, "
+                "out, resume, lr: use --workflows ... --lrs)")
+    check_extra(p, extra, CELL_FLAGS + (("--lr",) if args.lrs else ()) + flags_of_axes)
     for name in ("workflows", "tasks", "sharings", "seeds", "lrs"):  # a value given twice is one cell
         setattr(args, name, getattr(args, name) and list(dict.fromkeys(getattr(args, name))))
-    check_cells(p, cells(args.workflows, args.tasks, args.sharings, args.scale, args.seeds, args.lrs), extra)
+    check_cells(p, cells(args.workflows, args.tasks, args.sharings, args.scale, args.seeds, args.lrs, args.axes),
+                extra)
     args.out = os.path.abspath(args.out)  # runs and report under the same folder, whatever the cwd
     return args, extra
 
@@ -329,7 +354,7 @@ def run_phase(jobs, n_workers, desc, total, done, hits):
 
 def plan(args, extra):
     """(every cell of the matrix, jobs of the cells still to run, the toy builds they need)."""
-    matrix = cells(args.workflows, args.tasks, args.sharings, args.scale, args.seeds, args.lrs)
+    matrix = cells(args.workflows, args.tasks, args.sharings, args.scale, args.seeds, args.lrs, args.axes)
     jobs = []
     for name, flags in matrix:
         cmd = command(name, flags, args.out, extra)

@@ -230,8 +230,9 @@ STRATEGIES = {"math": ["go left to right", "one step per line", "check each step
               "code": ["apply the steps in order", "mind the brackets", "test with x=1", "write one line"]}
 
 
-def transcript(problem: dict, task: str, role: str, rng) -> tuple[list, str]:
-    """(chat messages, target completion) for one role, written procedurally."""
+def transcript(problem: dict, task: str, role: str, rng, check: int = 0) -> tuple[list, str]:
+    """(chat messages, target completion) for one role, written procedurally. A supervisor
+    (aggregator, evaluator) writes a check of `check` tokens before its verdict (check_text)."""
     if role == "generator":
         return wf.generator_messages(problem, task), _solve(problem, task, rng)
     if role == "reviser":  # an Eval-Opt generator turn: every earlier attempt was judged wrong
@@ -244,10 +245,13 @@ def transcript(problem: dict, task: str, role: str, rng) -> tuple[list, str]:
         for _ in range(rng.randint(0, 1 if task == "code" else 2)):
             history += [_solve(problem, task, rng), _feedback(task, False, rng)]
         attempt = _solve(problem, task, rng)
-        return wf.evaluator_messages(problem, task, history + [attempt]), _verdict_text(problem, task, attempt, rng)
+        reason, verdict = _verdict_text(problem, task, attempt, rng)
+        return (wf.evaluator_messages(problem, task, history + [attempt]),
+                reason + check_text([_answer(attempt, task)], check) + verdict)
     if role == "aggregator":
-        sols = [_solve(problem, task, rng) for _ in range(3)]
-        return wf.aggregator_messages(problem, task, sols), f"\\boxed{{{_pick(problem, task, sols, rng) + 1}}}"
+        sols = [_solve(problem, task, rng) for _ in range(_candidates(rng))]
+        pick = f"\\boxed{{{_pick(problem, task, sols, rng) + 1}}}"
+        return wf.aggregator_messages(problem, task, sols), check_text([_answer(s, task) for s in sols], check) + pick
     if role == "orchestrator":
         chosen = rng.sample(STRATEGIES[task], rng.randint(1, 3))
         return wf.orchestrator_messages(problem, task), "\n".join(
@@ -261,19 +265,37 @@ def transcript(problem: dict, task: str, role: str, rng) -> tuple[list, str]:
 
 
 def _feedback(task, right: bool, rng) -> str:
+    return "".join(_reason_and_verdict(task, right, rng))
+
+
+def _reason_and_verdict(task, right: bool, rng) -> tuple:
     if task == "math":
         reason = "Every step checks out." if right else f"Step {rng.randint(1, 2)} looks wrong."
     else:
         reason = "The code looks right." if right else f"Part {rng.randint(1, 3)} looks wrong."
-    return reason + ("\\boxed{Correct}" if right else "\\boxed{Incorrect}")
+    return reason, ("\\boxed{Correct}" if right else "\\boxed{Incorrect}")
 
 
-def _verdict_text(problem, task, attempt, rng) -> str:
+def _verdict_text(problem, task, attempt, rng) -> tuple:
+    """(reason, verdict) of an evaluator: the true verdict with probability JUDGE."""
     truth = _is_right(problem, attempt, task)
-    return _feedback(task, truth if rng.random() < JUDGE else not truth, rng)
+    return _reason_and_verdict(task, truth if rng.random() < JUDGE else not truth, rng)
 
 
-TRANSCRIPTS = 2  # bump when the transcripts or their batches change, so cached models are rebuilt
+def _candidates(rng) -> int:
+    """Solutions an aggregator transcript compares: 3 (Voting's default) half the time, else 1-8,
+    so the model can judge any --n-voters."""
+    return 3 if rng.random() < 0.5 else rng.randint(1, 8)
+
+
+def check_text(answers: list, length: int) -> str:
+    """A supervisor's check before its verdict: the candidates' answers (one character a token
+    in the toy tokenizer), space-separated and repeated to exactly `length` characters; "" when 0."""
+    unit = " ".join(str(a) if a is not None else "?" for a in answers).replace("\n", " ") + " "
+    return (unit * (length // len(unit) + 1))[:length] if length else ""
+
+
+TRANSCRIPTS = 3  # bump when the transcripts or their batches change, so cached models are rebuilt
 # Solutions (generator, reviser, worker, synthesizer) teach the arithmetic every role leans on,
 # so they get most of the batches; verdicts, picks and plans are short and learned quickly.
 ROLE_MIX = {"generator": 0.35, "reviser": 0.1, "evaluator": 0.12, "aggregator": 0.12,
@@ -370,7 +392,7 @@ def new_model(tok):
     return model
 
 
-def sft_batch(tok, task, rng, n):
+def sft_batch(tok, task, rng, n, check: int = 0):
     """n transcripts, each of a role drawn by ROLE_MIX, packed into rows: (ids (R, L), position
     ids (R, L), attention (R, 1, L, L) bool, loss mask (R, L), segments: per row the (start, end)
     of each transcript). A row holds several transcripts end to end, each attending only to
@@ -381,7 +403,7 @@ def sft_batch(tok, task, rng, n):
     roles, weights = zip(*ROLE_MIX.items())
     seqs = []
     for _ in range(n):
-        msgs, target = transcript(rng.choice(train), task, rng.choices(roles, weights)[0], rng)
+        msgs, target = transcript(rng.choice(train), task, rng.choices(roles, weights)[0], rng, check)
         p = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         p_ids = tok(p, add_special_tokens=False)["input_ids"]
         c_ids = tok(target + "<|im_end|>", add_special_tokens=False)["input_ids"]
@@ -424,7 +446,7 @@ def warm_start(task: str, warm: dict, quiet: bool = False):
         0.05, 0.5 * (1 + math.cos(math.pi * s / warm["steps"]))))
     bar = tqdm(range(warm["steps"]), desc=f"toy warm start ({task})", disable=quiet)
     for _ in bar:
-        ids, pos, attn, m, _ = sft_batch(tok, task, rng, warm["batch"])
+        ids, pos, attn, m, _ = sft_batch(tok, task, rng, warm["batch"], warm.get("check", 0))
         logits = model(input_ids=ids, position_ids=pos, attention_mask=attn).logits[:, :-1]  # (R, L-1, V)
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
@@ -442,9 +464,11 @@ def main():
     ap.add_argument("--task", default="math", choices=["math", "code"], help="toy task to warm-start for")
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
     ap.add_argument("--steps", type=int, default=WARM["steps"], help="warm-start steps")
+    ap.add_argument("--check", type=int, default=0, help="tokens of the supervisors' check (train.py --toy-check)")
     args = ap.parse_args()
     t0 = time.time()
-    folder = model_folder(args.task, {"steps": args.steps}, force=args.force)
+    folder = model_folder(args.task, {"steps": args.steps, **({"check": args.check} if args.check else {})},
+                          force=args.force)
     print(f"toy model: {folder} ({time.time() - t0:.0f} s)")
 
 

@@ -54,6 +54,7 @@ class Run:
     test_set: list
     files: dict
     hyper: object = None          # grpo.Hyper of the update
+    params: dict = field(default_factory=dict)    # the workflow's keyword arguments (flags.workflow_params)
     damp: object = None           # damping.CoherenceDamp or None
     comm: object = None           # parallel.Comm under torchrun, else None
     tracker: object = None
@@ -94,7 +95,8 @@ def setup(args, comm=None):
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         train_set, test_set = tasks.train_and_test(args.data, args.eval_data, args.task, args.eval_problems, args.seed)
-        model, tok = policies.load(args.scale, device, dtype, toy_task=args.task, quiet=args.quiet)
+        model, tok = policies.load(args.scale, device, dtype, toy_task=args.task, quiet=args.quiet,
+                                   toy_check=args.toy_check or 0)
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         runfolder.fail(str(e))
     if args.problems_per_step > len(train_set):
@@ -108,9 +110,13 @@ def setup(args, comm=None):
                                                   weight_decay=args.weight_decay)
     # measured after the model is loaded: on CUDA the default is a share of what is left free
     kv_budget = int(args.kv_budget_gb * 2**30) if args.kv_budget_gb else rollout.default_kv_budget(device)
-    damp = damping.CoherenceDamp(args.coherence_damp, args.coherence_window) if args.coherence_damp else None
-    return Run(args, policy, optimizers, schedulers, make_llm(policy, args, kv_budget), train_set, test_set, runfolder.files(args.out), hyper=flags.hyper(args), damp=damp, comm=comm,
-               kv_budget=kv_budget)
+    damp = None
+    if args.coherence_damp:
+        damp = (damping.PlaceboDamp(args.coherence_damp, args.coherence_window, args.seed) if args.damp_placebo
+                else damping.CoherenceDamp(args.coherence_damp, args.coherence_window))
+    return Run(args, policy, optimizers, schedulers, make_llm(policy, args, kv_budget), train_set, test_set,
+               runfolder.files(args.out), hyper=flags.hyper(args), params=flags.workflow_params(args), damp=damp,
+               comm=comm, kv_budget=kv_budget)
 
 
 def start_run(args, comm):
@@ -149,7 +155,7 @@ def run_eval(run, step):
     # its own stream of draws, ("eval", step), apart from training's; as many episodes at once
     # as a training step runs, so evaluation fits where training fits
     rec = ev.eval_record(run.llm, a.workflow, problems, a.task, step, batch_size=a.problems_per_step * a.group_size,
-                         progress=not a.quiet) if problems else None
+                         progress=not a.quiet, **run.params) if problems else None
     rec = ev.merge_records(run.comm.gather(rec)) if run.comm else rec
     if run.main:
         runfolder.log_jsonl(run.files["eval"], rec)
@@ -239,7 +245,8 @@ def main(argv=None):
             batch = random.Random(seeds.derive(args.seed, "problems", step)).sample(run.train_set, args.problems_per_step)
             batch = comm.share(batch) if comm else batch
             # 2. rollouts: every problem G times through the workflow, with draws keyed by the step
-            episodes = rollout.run_episodes(run.llm, args.workflow, batch, args.group_size, args.task, ("train", step))
+            episodes = rollout.run_episodes(run.llm, args.workflow, batch, args.group_size, args.task, ("train", step),
+                                            **run.params)
             t1 = time.time()
             # 3. reward: grade each final answer, copy it to every call of the episode
             for e, r in zip(episodes, rewards.score([e.final_text for e in episodes], [e.problem for e in episodes], args.task)):

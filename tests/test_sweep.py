@@ -109,10 +109,10 @@ def test_dry_run_skips_done_cells_and_resumes_started_ones(tmp_path, capsys):
     (["--jobs", "0"], "--jobs must be at least 1"),
     (["--", "--seed", "3"], "the sweep sets --seed for each cell; pass --seeds to the sweep instead"),
     (["--lrs", "1e-3", "--", "--lr=3e-3"], "pass --lrs to the sweep instead"),
-    (["--", "--group-size", "0"], "cell single-math-shared-toy-s0: train.py refuses the flags after `--`: "
+    (["--", "--group-size", "0"], "cell single-math-shared-toy-s0: train.py refuses its flags: "
                                   "--group-size must be at least 1"),
     (["--workflows", "single", "voting", "--", "--kl-coef-role", "aggregator=0.1"],
-     "cell single-math-shared-toy-s0: train.py refuses the flags after `--`: --kl-coef-role aggregator: not a role"),
+     "cell single-math-shared-toy-s0: train.py refuses its flags: --kl-coef-role aggregator: not a role"),
 ])
 def test_bad_input_is_refused_in_one_line(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
