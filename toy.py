@@ -23,10 +23,14 @@ learn on a laptop CPU through exactly the code path of the real models:
   transcripts of every role, built with the workflows' own prompt builders, with deliberate
   imperfection so RL has room both ways: solutions slip (a step result off by 1-2, a wrong
   constant) with probability SLIP[task] per step, evaluators give the true verdict with probability
-  JUDGE, aggregators and synthesizers follow the majority answer with probability PICK (else
-  a random candidate), orchestrators write 1-3 valid STRATEGY lines. The result is cached on
-  disk under `.cache/toy/` keyed by every setting, and built on first use with a progress bar
-  (about 3 minutes on 2 CPU cores).
+  JUDGE, aggregators (comparing 1-8 solutions, 3 half the time) and synthesizers follow the
+  majority answer with probability PICK (else a random candidate), orchestrators write 1-3
+  valid STRATEGY lines. With `check` L (train.py --toy-check), the supervisors write L tokens
+  of check before their verdict (the candidates' answers, repeated): a knob of their share of
+  each step's gradient. Transcripts are packed into rows (a block-diagonal mask keeps them
+  apart), so no compute goes to padding. The result is cached on disk under `.cache/toy/`
+  keyed by every setting, and built on first use with a progress bar (a few minutes on 2 CPU
+  cores); concurrent processes build it once (a file lock).
 
 Run `python toy.py --task math` to build it (or rebuild with --force) and print its folder.
 """
