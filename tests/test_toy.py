@@ -231,10 +231,10 @@ def test_every_role_transcript_parses(task):
             assert _user(msgs).startswith(f"{wf.PROBLEM}\n{p['prompt']}\n") or _user(msgs) == f"{wf.PROBLEM}\n{p['prompt']}"
             system = wf.REVISE_INSTRUCTIONS[task] if role == "reviser" else wf.INSTRUCTIONS[role, task]
             assert msgs[0]["content"] == system
-            if role == "aggregator":
-                k, fallback = wf.parse_choice(target, 3)
-                assert not fallback and 1 <= k <= 3
-                assert _user(msgs).count("\nSolution ") == 3
+            if role == "aggregator":   # 3 solutions (Voting's default) or 1-8, for any --n-voters
+                n = _user(msgs).count("\nSolution ")
+                k, fallback = wf.parse_choice(target, n)
+                assert 1 <= n <= 8 and not fallback and 1 <= k <= n
             elif role == "evaluator":
                 _, fallback = wf.parse_verdict(target)
                 assert not fallback
@@ -319,12 +319,14 @@ def test_aggregator_follows_the_majority_at_rate_pick():
     rng = random.Random(4)
     train = toy.problems("math", "train")
     split, majority = 0, 0
-    for _ in range(2500):
+    for _ in range(5000):
         p = rng.choice(train)
         msgs, target = toy.transcript(p, "math", "aggregator", rng)
         sols = re.split(r"\nSolution \d:\n", _user(msgs))[1:]
         answers = [wf.last_boxed(s) for s in sols]
-        assert len(sols) == 3 and None not in answers
+        assert 1 <= len(sols) <= 8 and None not in answers
+        if len(sols) != 3:
+            continue  # the rate is measured on Voting's default, 3 solutions
         if sorted(map(answers.count, answers)) != [1, 2, 2]:
             continue  # only a 2-1 split tells a majority pick from a random one
         k, _ = wf.parse_choice(target, 3)
