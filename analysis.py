@@ -494,6 +494,92 @@ def sharing_order(sharing) -> int:
     return {"shared": 0, "isolated": 1}.get(sharing, 2)
 
 
+# ----------------------------------------------------------------------------- dose-response
+
+DOSE_ARMS = "damping"   # the knob of the intervention-against-placebo runs: none, damp or placebo
+
+
+def dose_value(s: dict, knob: str):
+    """A run's value of `knob`: a config key (n_voters, toy_check, eval_rounds, max_workers; a
+    null is the default, 3 voters, no check ...) or DOSE_ARMS."""
+    cfg = s.get("config") or {}
+    if knob == DOSE_ARMS:
+        return "placebo" if cfg.get("damp_placebo") else "damp" if cfg.get("coherence_damp") else "none"
+    defaults = {"n_voters": 3, "toy_check": 0, "max_workers": 3,
+                "eval_rounds": workflows.EVAL_OPT_ROUNDS.get(cfg.get("task"), 3)}
+    v = cfg.get(knob)
+    return defaults.get(knob) if v is None else v
+
+
+def _run_means(s: dict) -> dict:
+    """One run's mechanism numbers a dose point averages: per role the per-optimizer-step gradient
+    norm and the share; the coherence of the generators' slots; the supervisors' length and
+    parse-failure drift (first -> last tenth); the damping scale."""
+    m = s["mechanisms"]
+    return {"norm": m["grad_norm"], "share": m["grad_share"], "coherence": m["coherence"],
+            "len_first": {r: d[0] for r, d in m["len_drift"].items()},
+            "len_last": {r: d[1] for r, d in m["len_drift"].items()},
+            "parse_fail_last": {r: d[1] for r, d in m.get("parse_fail_drift", {}).items()},
+            "damp_scale": m.get("damp_scale", {}), "dominant": m["dominant_role"]}
+
+
+def dose(summaries: list, knob: str) -> list:
+    """One point per (lr, knob value) over the runs given (seeds): n, peak / final accuracy
+    stats, cliffs, and the mean over seeds of each mechanism number of _run_means, per role."""
+    groups = defaultdict(list)
+    for s in summaries:
+        groups[(s.get("lr"), dose_value(s, knob))].append(s)
+    order = ["none", "damp", "placebo"]
+    out = []
+    for (lr, value), ss in sorted(groups.items(), key=lambda kv: (
+            kv[0][0] if is_num(kv[0][0]) else math.inf,
+            order.index(kv[0][1]) if kv[0][1] in order else kv[0][1] if is_num(kv[0][1]) else 0)):
+        means = [_run_means(s) for s in ss]
+        point = {"lr": lr, "value": value, "n": len(ss), "seeds": [s["seed"] for s in ss],
+                 "cliffs": sum(s["cliff"] for s in ss), "peak": _stats([s["peak_acc"] for s in ss]),
+                 "final": _stats([s["final_acc"] for s in ss]), "base": _stats([s["base_acc"] for s in ss]),
+                 "dominant": {r: sum(m["dominant"] == r for m in means) for r in sorted({m["dominant"] for m in means
+                                                                                        if m["dominant"]})}}
+        for key in ("norm", "share", "coherence", "len_first", "len_last", "parse_fail_last", "damp_scale"):
+            roles = sorted({r for m in means for r in m[key]})
+            point[key] = {r: _stats([m[key][r] for m in means if m[key].get(r) is not None]) for r in roles}
+        out.append(point)
+    return out
+
+
+DOSE_HEADERS = ["lr", "value", "seeds", "base", "peak", "final", "cliffs", "norm/opt step", "coherence",
+                "share", "len first->last", "dominant"]
+
+
+def _role_stats(d: dict, fmt=".3g", short=True) -> str:
+    return " ".join(f"{_abbrev(r) if short else r} {format(st['mean'], fmt)}" for r, st in d.items() if st) or "-"
+
+
+def dose_rows(points: list) -> list:
+    """The dose table (DOSE_HEADERS): accuracy in %, mean ±sd over seeds; mechanisms as means."""
+    rows = []
+    for p in points:
+        lens = " ".join(f"{_abbrev(r)} {p['len_first'][r]['mean']:.1f}->{p['len_last'][r]['mean']:.1f}"
+                        for r in p["len_first"] if p["len_first"][r] and p["len_last"].get(r))
+        rows.append([lr_label(p["lr"]), str(p["value"]), str(p["n"]), _stat(p["base"]), _stat(p["peak"]),
+                     _stat(p["final"]), f"{p['cliffs']}/{p['n']}", _role_stats(p["norm"]),
+                     _role_stats(p["coherence"], ".2f"), _role_stats(p["share"], ".2f"), lens or "-",
+                     " ".join(f"{_abbrev(r)} {k}" for r, k in p["dominant"].items()) or "-"])
+    return rows
+
+
+def dose_slope(points: list, lr, role: str, key: str = "norm"):
+    """The exponent b of key[role] ~ value^b over one lr's numeric points (least squares in
+    log-log), or None with fewer than two positive points."""
+    xy = [(math.log(p["value"]), math.log(p[key][role]["mean"])) for p in points
+          if p["lr"] == lr and is_num(p["value"]) and p["value"] > 0 and p[key].get(role) and p[key][role]["mean"] > 0]
+    if len(xy) < 2:
+        return None
+    mx, my = sum(x for x, _ in xy) / len(xy), sum(y for _, y in xy) / len(xy)
+    sxx = sum((x - mx) ** 2 for x, _ in xy)
+    return sum((x - mx) * (y - my) for x, y in xy) / sxx if sxx else None
+
+
 # ----------------------------------------------------------------------------- tables
 
 def _pct(x, sign=False):

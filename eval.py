@@ -564,6 +564,8 @@ def _analyse_cli(args):
                           "cliff_rule": analysis.CLIFF_RULE, "runs": summaries, "cells": analysis.cells(summaries),
                           "figures": figures}, indent=1))
         return
+    if args.dose:
+        return _dose_cli(args, summaries)
     tables = ((analysis.run_legend(args.cliff_drop, args.cliff_window), analysis.RUN_HEADERS, analysis.run_rows(summaries)),
               (analysis.CELL_LEGEND, *analysis.cell_table(summaries)),
               (analysis.TERM_MECH_LEGEND, analysis.TERM_MECH_HEADERS, analysis.terminal_mechanism_rows(summaries)))
@@ -577,6 +579,24 @@ def _analyse_cli(args):
         print(f"figures: {len(figures)} PNGs (map, cells, Shared vs Isolated) in {analysis.figures_folder(args.report)}")
     if args.report:
         print(f"report: {args.report} (with per-role mechanisms, before-the-cliff and capture tables)")
+
+
+def _dose_cli(args, summaries):
+    """The dose-response of the runs against --dose KNOB: a table, and its figure at --dose-figure."""
+    points = analysis.dose(summaries, args.dose.replace("-", "_"))
+    if args.json:
+        print(json.dumps(points, indent=1))
+    else:
+        print(analysis.text_table(analysis.DOSE_HEADERS, analysis.dose_rows(points)))
+        print(f"accuracy %, mean ±sd over seeds; norm / coherence / share: means over each run, then over seeds "
+              f"(roles abbreviated); knob {args.dose}\n")
+    if args.dose_figure:
+        import plots
+        try:
+            path = plots.plot_dose(points, args.dose, args.dose_figure)
+            print(f"figure: {path}")
+        except ImportError as e:
+            print(str(e), file=sys.stderr)
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -605,6 +625,10 @@ def _parser():
     a.add_argument("--report", default=None, help="write a Markdown report of the runs to this path, and its figures "
                    "(map, per-cell mechanisms, Shared vs Isolated) next to it: runs/report.md -> runs/report-figures/")
     a.add_argument("--no-plots", action="store_true", help="write no PNG plots (neither --runs' nor --report's)")
+    a.add_argument("--dose", default=None, metavar="KNOB", help="a dose-response instead of the tables: the runs "
+                   "against a config value (n-voters, toy-check, eval-rounds, max-workers) or `damping` (none, damp, "
+                   "placebo), per lr")
+    a.add_argument("--dose-figure", default=None, metavar="PNG", help="with --dose: draw it into this PNG")
     e = p.add_argument_group("evaluate a model or checkpoint (unset flags come from the checkpoint's run, else the default)")
     e.add_argument("--checkpoint", default=None, help="a run folder (its ckpt-best, else ckpt-last) or RUN/ckpt-N; "
                    "unset evaluates the base model")

@@ -34,6 +34,7 @@ Next to a report at REPORT_DIR/STEM.md, into REPORT_DIR/STEM-figures/ (plot_runs
 Colours: one per role in every figure (a role a fork adds gets one by a hash of its name),
 Shared blue, Isolated orange, red kept for cliffs.
 """
+import math
 import os
 import zlib
 from collections import defaultdict
@@ -410,6 +411,53 @@ def plot_overlay(title: str, groups: dict, path: str) -> str | None:
     _finish(fig, axes)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     return path
+
+
+def plot_dose(points: list, knob: str, path: str, title: str | None = None) -> str | None:
+    """A dose-response figure: against the knob's value (x), one line per lr, mean over seeds
+    with the min..max band: peak and final accuracy, the cliff rate, each role's gradient
+    norm per optimizer step and share, and the coherence of roles with several slots."""
+    Figure = _figure_class()
+    if not points:
+        return None
+    xs_all = list(dict.fromkeys(p["value"] for p in points))
+    numeric = all(is_num(x) for x in xs_all)
+    pos = (lambda v: v) if numeric else (lambda v: xs_all.index(v))
+    lrs = sorted({p["lr"] for p in points}, key=lambda x: x if is_num(x) else math.inf)
+    fig, axes = _panels(Figure, 5, title or f"dose-response: {knob}", height=1.8)
+    styles = ["-", "--", ":", "-."]
+    for k, lr in enumerate(lrs):
+        pts = [p for p in points if p["lr"] == lr]
+        x = [pos(p["value"]) for p in pts]
+        tag, ls = f"lr {lr_label(lr)}", styles[k % len(styles)]
+        for key, color in (("peak", "tab:green"), ("final", "tab:blue")):
+            _stat_line(axes[0], x, [p[key] for p in pts], color, f"{key}, {tag}", ls, scale=100)
+        axes[1].plot(x, [p["cliffs"] / p["n"] for p in pts], ls=ls, marker="o", color="tab:red", label=tag)
+        for ax, key in ((axes[2], "norm"), (axes[3], "share"), (axes[4], "coherence")):
+            for role in sorted({r for p in pts for r in p[key]}):
+                _stat_line(ax, x, [p[key].get(role) for p in pts], role_color(role), f"{role}, {tag}", ls)
+    for ax, label in zip(axes, ("accuracy (%)", "cliff rate", "grad norm / opt step", "grad share", "coherence")):
+        ax.set_ylabel(label, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    axes[1].set_ylim(-0.05, 1.05)
+    _log_axis(axes[2], [p["norm"][r]["mean"] for p in points for r in p["norm"] if p["norm"][r]])
+    axes[-1].set_xlabel(knob.replace("_", "-"))
+    if not numeric:
+        axes[-1].set_xticks(range(len(xs_all)), [str(v) for v in xs_all])
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def _stat_line(ax, x, stats, color, label, ls, scale=1.0):
+    """Means with a min..max band, skipping points without a value."""
+    pts = [(xi, st) for xi, st in zip(x, stats) if st]
+    if not pts:
+        return
+    xs = [p for p, _ in pts]
+    ax.plot(xs, [scale * st["mean"] for _, st in pts], ls=ls, marker="o", ms=3, color=color, label=label)
+    ax.fill_between(xs, [scale * st["min"] for _, st in pts], [scale * st["max"] for _, st in pts], color=color,
+                    alpha=0.12, lw=0)
 
 
 def _lr_slug(lr):

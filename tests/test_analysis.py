@@ -435,3 +435,45 @@ def test_runs_that_differ_in_more_than_the_seed_are_cells_apart(tmp_path, capsys
     # runs differing in nothing but the seed and the flags that change nothing make one cell
     alone = analysis.label_variants([s for s in summaries if s["name"].startswith("base")])
     assert [c["variant"] for c in analysis.cells(alone)] == [""]
+
+
+def _with_config(folder, **cfg):
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    c.update(cfg)
+    with open(path, "w") as f:
+        json.dump(c, f)
+    return folder
+
+
+def test_a_dose_response_is_a_point_per_lr_and_value_over_its_seeds(tmp_path, capsys):
+    runs = [_with_config(synthetic_run(tmp_path, "voting", "math", "isolated", seed=s, lr=lr,
+                                       name=f"v{n}-{lr:g}-s{s}", collapse_at=20 if (lr, n) == (2e-3, 8) else None),
+                         n_voters=n)
+            for n in (1, 3, 8) for lr in (1e-3, 2e-3) for s in (0, 1)]
+    summaries, _ = ev.analyse_runs(runs, plots=False, quiet=True)
+    points = analysis.dose(summaries, "n_voters")
+    assert [(p["lr"], p["value"], p["n"]) for p in points] == [(lr, n, 2) for lr in (1e-3, 2e-3) for n in (1, 3, 8)]
+    last = points[-1]
+    assert last["cliffs"] == 2 and points[0]["cliffs"] == 0 and last["peak"]["n"] == 2
+    assert set(last["norm"]) == {"generator", "aggregator"} and last["coherence"]["generator"]["mean"] > 0.8
+    rows = analysis.dose_rows(points)
+    assert rows[-1][:3] == ["2e-3", "8", "2"] and rows[-1][6] == "2/2"
+    # an unset value is the paper's default: 3 voters
+    default = analysis.dose_value({"config": {"n_voters": None}}, "n_voters")
+    assert default == 3 and analysis.dose_value({"config": {"damp_placebo": True, "coherence_damp": {"g": 1}}},
+                                                "damping") == "placebo"
+    ev.main(["--runs", *runs, "--no-plots", "--dose", "n-voters", "--dose-figure", str(tmp_path / "dose.png")])
+    out = capsys.readouterr().out
+    assert "norm/opt step" in out and "knob n-voters" in out
+    if plots_available():
+        assert os.path.isfile(tmp_path / "dose.png")
+
+
+def plots_available():
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        return False
