@@ -185,7 +185,9 @@ def resume_args(ap, args):
         print(f"resume: --steps {given['steps']} (saved {saved.get('steps')}) changes the lr schedule: the cosine "
               f"now decays to 0 at step {given['steps']}", file=sys.stderr)
     _check_device(ap, keep.get("device"))
-    args = argparse.Namespace(**{**saved, **keep})
+    # a flag added after the run was saved takes its default: the run never used it
+    defaults = {a.dest: a.default for a in ap._actions if a.dest != "help"}
+    args = argparse.Namespace(**{**defaults, **saved, **keep})
     args.out = args.resume
     return args
 

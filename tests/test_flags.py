@@ -91,6 +91,19 @@ def test_resume_says_that_more_steps_change_the_schedule(model_dir, tmp_path, ca
     assert "changes the lr schedule" not in capsys.readouterr().err
 
 
+def test_resume_of_a_run_saved_before_a_flag_existed_takes_its_default(model_dir, tmp_path):
+    out = tmp_path / "old-run"
+    os.makedirs(out)
+    cfg = vars(flags.parse_args(["--scale", model_dir, "--data", "toy_math", "--steps", "2", "--out", str(out)]))
+    for k in ("n_voters", "toy_check", "damp_placebo"):   # flags a run folder of an older version lacks
+        del cfg[k]
+    with open(out / "config.json", "w") as f:
+        json.dump(cfg, f)
+    args = flags.parse_args(["--resume", str(out)])
+    assert args.n_voters is None and args.toy_check is None and args.damp_placebo is False
+    assert flags.workflow_params(args) == {} and args.steps == 2
+
+
 def test_quiet_shows_no_progress_bar_of_any_library(model_dir, tmp_path, capfd):
     train.main(["--scale", model_dir, "--data", "toy_math", "--workflow", "single", "--steps", "1",
                 "--problems-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-problems", "2",
