@@ -107,6 +107,7 @@ def test_a_two_rank_run_takes_the_same_samples_and_steps_as_one_process(tmp_path
     for name in ("generator", "aggregator"):
         a, b = (load_file(run / "ckpt-last" / name / "adapter_model.safetensors") for run in (one, two))
         va, vb = torch.cat([a[k].flatten() for k in sorted(a)]), torch.cat([b[k].flatten() for k in sorted(b)])
+        print(f"{name}: adapters of 2 ranks against 1 process after 2 steps, {rel(va, vb):.1e} relative")
         assert rel(va, vb) < 1e-6, name
     assert (one / "samples.jsonl").read_bytes() == (two / "samples.jsonl").read_bytes()   # the same rollouts
     assert (one / "eval.jsonl").read_bytes() == (two / "eval.jsonl").read_bytes()
