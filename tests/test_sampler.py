@@ -404,13 +404,16 @@ def equal_mass_bins(p, n, least=20):
 
 
 @pytest.mark.parametrize("kind", ["flat", "peaked"])
-def test_the_draw_is_the_exact_distribution_over_a_qwen3_vocabulary(kind):
+def test_the_draw_is_the_exact_distribution_over_a_qwen3_vocabulary(kind, monkeypatch):
     logits = qwen_sized_logits(kind)[None]                                    # (1, V) fp32
     exact = torch.softmax(logits.double() / 0.7, -1)[0]                       # the float64 softmax
     # the probabilities the draw implements, with its own arithmetic: token v is taken when
-    # c[v-1] <= u c[-1] < c[v], c the cumsum of the probabilities sample_next draws from
-    probs = torch.softmax(logits.double() / 0.7, dim=-1)                      # as in sample_next
-    c = probs.cumsum(-1)                                                       # as in rollout._draw
+    # c[v-1] <= u c[-1] < c[v], c the cumulative masses sample_next hands to inverse_cdf
+    seen, search = [], rollout.inverse_cdf
+    monkeypatch.setattr(rollout, "inverse_cdf", lambda c, u: seen.append(c) or search(c, u))
+    rollout.sample_next(logits, 0.7, 1.0, torch.full((1,), 0.5, dtype=torch.float64))
+    monkeypatch.undo()
+    c = seen[0]                                                                # (1, V)
     implemented = torch.diff(c[0], prepend=c.new_zeros(1)) / c[0, -1]
     assert float((implemented - exact).abs().max()) < 1e-12
     assert bool((implemented > 0).all())                                      # every token can be drawn
