@@ -19,9 +19,12 @@ Each choice and the train.py flag that sets it (the flags fill a `Hyper`, fields
 - KL: beta_role = `--kl-coef` (0, off, as in the paper), overridden per role by
   `--kl-coef-role ROLE=VALUE`; the reference is the base model (`policy.using(None)`: for LoRA,
   the adapter switched off). No entropy bonus.
-- logp_old is recomputed by this training forward, once, before the first mini-batch (the
-  sampler's logprobs differ numerically even at equal weights); an adapter's first mini-batch
-  runs at those same weights, so its own forward's logprobs, detached, are its old ones.
+- logp_old is recomputed once, before the first mini-batch, by the trainer's layout at the
+  weights the rollout used (the sampler's logprobs differ numerically even at equal weights):
+  a no-grad forward through `policy.inference`, which on an fp32 base folds the adapter into
+  the base weights (equal to the hooked forward within fp32 rounding); an adapter's first
+  mini-batch runs at those same weights, so its own forward's logprobs, detached, are its old
+  ones.
 - temperature: logits / `--temperature` in the trainer exactly as in the sampler.
 - one epoch; each optimizer's n samples are shuffled and cut into ceil(n / `--mini-batch`)
   mini-batches of near-equal size (512 each at the paper's settings), one AdamW step per
