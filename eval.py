@@ -419,8 +419,9 @@ def _draws(args, cfg: dict, checkpoint) -> dict:
     seed = args.seed if args.seed is not None else cfg.get("seed", 0) if step is not None else 0
     batch = args.batch_size or (cfg["problems_per_step"] * cfg["group_size"] if step is not None and
                                 "problems_per_step" in cfg else 16)
-    same = step is not None and seed == cfg.get("seed")
-    note = (f"draws: seed {seed}, those of the run's evaluation at step {step}" + (" (its eval.jsonl line)" if same else "")
+    logged = step is not None and seed == cfg.get("seed") and step in {
+        r.get("step") for r in analysis.read_jsonl(os.path.join(os.path.dirname(checkpoint), "eval.jsonl"), quiet=True)}
+    note = (f"draws: seed {seed}, those of the run's evaluation at step {step}" + (" (its eval.jsonl line)" if logged else "")
             if step is not None else f"draws: seed {seed}")
     return {"seed": seed, "stream": ("eval", step or 0), "batch_size": batch, "draws_note": note}
 

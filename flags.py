@@ -331,3 +331,7 @@ def _check_device(ap, device):
                  "the CUDA build of torch")
     if device not in ("cuda",) and not str(device).startswith(("cuda:", "mps")):
         ap.error(f"--device {device}: expected cpu, cuda or cuda:N")
+    index = str(device).partition(":")[2]
+    if str(device).startswith("cuda:") and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+        ap.error(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), cuda:0 to "
+                 f"cuda:{torch.cuda.device_count() - 1}")

@@ -26,7 +26,7 @@ Simplifications against the paper's verl backend: one process (or torchrun data 
 parallel.py), the sampler of rollout.py instead of vLLM, LoRA by hand instead of FSDP.
 
 Ctrl-C (or SIGTERM) finishes the step, saves ckpt-last and exits 130; `--resume RUN`
-continues from the newest complete checkpoint and, with the same seed, logs the same metrics
+continues from the last checkpoint whose save finished and, with the same seed, logs the same metrics
 as a run that never stopped.
 """
 import contextlib

@@ -54,6 +54,13 @@ def test_cuda_on_a_cpu_only_torch_is_one_line(capsys, tmp_path):
     assert "this torch has no CUDA device" in refused(capsys, ["--device", "cuda", "--out", str(tmp_path / "r")])
 
 
+def test_a_cuda_index_the_machine_lacks_is_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    err = refused(capsys, ["--device", "cuda:7", "--out", str(tmp_path / "r")])
+    assert "--device cuda:7: this machine has 1 CUDA device(s), cuda:0 to cuda:0" in err
+
+
 def test_zero_means_what_the_help_says(tmp_path):
     a = flags.parse_args(["--max-prompt-tokens", "0", "--max-embed-tokens", "0", "--eval-problems", "0",
                           "--out", str(tmp_path / "r")])
