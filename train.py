@@ -26,8 +26,8 @@ Simplifications against the paper's verl backend: one process (or torchrun data 
 parallel.py), the sampler of rollout.py instead of vLLM, LoRA by hand instead of FSDP.
 
 Ctrl-C (or SIGTERM) finishes the step, saves ckpt-last and exits 130; `--resume RUN`
-continues from the last checkpoint whose save finished and, with the same seed, logs the same metrics
-as a run that never stopped.
+continues from the last checkpoint whose save finished and, with the same seed, logs the
+same metrics as a run that never stopped.
 """
 import contextlib
 import os
