@@ -523,9 +523,20 @@ def _run_means(s: dict) -> dict:
             "damp_scale": m.get("damp_scale", {}), "dominant": m["dominant_role"]}
 
 
+def _dose_keys(knob: str) -> tuple:
+    """Config keys a dose-response varies on purpose: the knob's, the lr and what SAME_RUN holds."""
+    return SAME_RUN + ("lr",) + (("coherence_damp", "damp_placebo") if knob == DOSE_ARMS else (knob,))
+
+
 def dose(summaries: list, knob: str) -> list:
     """One point per (lr, knob value) over the runs given (seeds): n, peak / final accuracy
-    stats, cliffs, and the mean over seeds of each mechanism number of _run_means, per role."""
+    stats, cliffs, and the mean over seeds of each mechanism number of _run_means, per role.
+    The runs must differ in nothing else (a ValueError names what else differs)."""
+    cfgs = [{k: v for k, v in (s.get("config") or {}).items() if k not in _dose_keys(knob)} for s in summaries]
+    differ = sorted(k for k in set().union(*cfgs) if len({json.dumps(c.get(k), sort_keys=True) for c in cfgs}) > 1)
+    if differ:
+        raise ValueError(f"a dose-response of {knob} takes runs that differ only in it, the lr and the seed; "
+                         f"these also differ in {', '.join(differ)}")
     groups = defaultdict(list)
     for s in summaries:
         groups[(s.get("lr"), dose_value(s, knob))].append(s)

@@ -584,11 +584,14 @@ def _analyse_cli(args):
 
 def _dose_cli(args, summaries):
     """The dose-response of the runs against --dose KNOB: a table, and its figure at --dose-figure."""
-    points = analysis.dose(summaries, args.dose.replace("-", "_"))
+    try:
+        points = analysis.dose(summaries, args.dose.replace("-", "_"))
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     if args.json:
         print(json.dumps(points, indent=1))
     else:
-        print(analysis.text_table(analysis.DOSE_HEADERS, analysis.dose_rows(points)))
+        print(analysis.text_table(analysis.DOSE_HEADERS, analysis.dose_rows(points), width=None))   # whole cells
         print(f"accuracy %, mean ±sd over seeds; norm / coherence / share: means over each run, then over seeds "
               f"(roles abbreviated); knob {args.dose}\n")
     if args.dose_figure:

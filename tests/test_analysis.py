@@ -457,7 +457,9 @@ def test_a_dose_response_is_a_point_per_lr_and_value_over_its_seeds(tmp_path, ca
     assert [(p["lr"], p["value"], p["n"]) for p in points] == [(lr, n, 2) for lr in (1e-3, 2e-3) for n in (1, 3, 8)]
     last = points[-1]
     assert last["cliffs"] == 2 and points[0]["cliffs"] == 0 and last["peak"]["n"] == 2
-    assert set(last["norm"]) == {"generator", "aggregator"} and last["coherence"]["generator"]["mean"] > 0.8
+    # the synthetic collapse raises the voters' coherence (0.58 -> 0.9) in the steps before it
+    assert set(last["norm"]) == {"generator", "aggregator"}
+    assert last["coherence"]["generator"]["mean"] > points[0]["coherence"]["generator"]["mean"] + 0.02
     rows = analysis.dose_rows(points)
     assert rows[-1][:3] == ["2e-3", "8", "2"] and rows[-1][6] == "2/2"
     # an unset value is the paper's default: 3 voters
@@ -469,6 +471,11 @@ def test_a_dose_response_is_a_point_per_lr_and_value_over_its_seeds(tmp_path, ca
     assert "norm/opt step" in out and "knob n-voters" in out
     if plots_available():
         assert os.path.isfile(tmp_path / "dose.png")
+    # a run that differs in more than the knob, the lr and the seed is not a point of the curve
+    shared = synthetic_run(tmp_path, "voting", "math", "shared", seed=0, lr=1e-3, name="shared-run")
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--runs", *runs, shared, "--no-plots", "--dose", "n-voters"])
+    assert "also differ in sharing" in str(e.value.code)
 
 
 def plots_available():
