@@ -28,9 +28,13 @@ class CoherenceDamp:
             return 1.0, None
         m = self.ema.get(role)
         cos = cosine(g, m) if m is not None else None
-        scale = 1.0 - self.lambdas[role] * max(0.0, cos) if cos is not None else 1.0
+        scale = self._choose(role, 1.0 - self.lambdas[role] * max(0.0, cos) if cos is not None else 1.0)
         self.ema[role] = g * scale if m is None else m.mul_(self.decay).add_(g, alpha=(1 - self.decay) * scale)
         return scale, cos
+
+    def _choose(self, role: str, factor: float) -> float:
+        """The scale applied, given the coherence factor: the factor itself."""
+        return factor
 
     def state_dict(self) -> dict:
         return {"ema": {r: m.detach().cpu().clone() for r, m in self.ema.items()}}   # a copy: the EMA moves in place
@@ -50,18 +54,11 @@ class PlaceboDamp(CoherenceDamp):
         super().__init__(lambdas, window)
         self.seed, self.history = seed, {}
 
-    def __call__(self, role: str, g):
-        if role not in self.lambdas:
-            return 1.0, None
+    def _choose(self, role: str, factor: float) -> float:
         import seeds
-        m = self.ema.get(role)
-        cos = cosine(g, m) if m is not None else None
         past = self.history.setdefault(role, [])
-        past.append(1.0 - self.lambdas[role] * max(0.0, cos) if cos is not None else 1.0)
-        pick = seeds.derive(self.seed, "placebo", role, len(past)) % len(past)
-        scale = past[pick]
-        self.ema[role] = g * scale if m is None else m.mul_(self.decay).add_(g, alpha=(1 - self.decay) * scale)
-        return scale, cos
+        past.append(factor)
+        return past[seeds.derive(self.seed, "placebo", role, len(past)) % len(past)]
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "history": {r: list(h) for r, h in self.history.items()}}

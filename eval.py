@@ -438,13 +438,6 @@ def load_problems(data: str, kind: str, n: int | None, seed: int) -> tuple:
     return tasks.load_task(data, "test", n, seed), None
 
 
-def _check_toy_data(st: dict) -> None:
-    """The toy model's character tokenizer knows only the toy tasks, as train.py says too."""
-    if st["scale"] == "toy" and st["data"] not in ("toy_math", "toy_code"):
-        raise ValueError(f"--data {st['data']}: the toy model and its character tokenizer only know the toy tasks "
-                         "(toy_math, toy_code); for real data pass a real model, e.g. --scale 0.6b or a model folder")
-
-
 def _make_llm(args, st: dict, kind: str):
     import policies
     import rollout
@@ -488,10 +481,13 @@ def _print_evaluation(res: dict):
 def _evaluate_cli(args):
     """Thin glue: settings (flags, else the checkpoint's run) -> problems -> llm -> evaluate."""
     import torch
+
+    import tasks
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         st, notes = resolve_settings(args)
-        _check_toy_data(st)
+        if st["scale"] == "toy":
+            tasks.check_toy_data("--data", st["data"])
         # the run's evaluation set is a fixed subset (seed 0, as train.py draws it)
         problems, note = load_problems(st["data"], st["task"], st["problems"], 0)
         llm = _make_llm(args, st, st["task"])

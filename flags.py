@@ -237,6 +237,7 @@ def resolve_args(ap, args):
 def check_args(ap, args):
     """Every invariant of the resolved flags, each refused in one line before anything loads."""
     import policies
+    import tasks
     for name in ("problems_per_step", "group_size", "steps", "mini_batch", "max_new_tokens", "token_budget",
                  "coherence_window", "lora_rank"):
         if getattr(args, name) < 1:
@@ -271,10 +272,11 @@ def check_args(ap, args):
     if args.damp_placebo and not args.coherence_damp:
         ap.error("--damp-placebo needs --coherence-damp ROLE=LAMBDA: the damping it is the placebo of")
     if args.scale == "toy":
-        for flag, data in (("--data", args.data), ("--eval-data", args.eval_data)):
-            if data and data not in ("toy_math", "toy_code"):
-                ap.error(f"{flag} {data}: the toy model and its character tokenizer only know the toy tasks "
-                         f"(toy_math, toy_code); for real data pass a real model, e.g. --scale 0.6b or a model folder")
+        try:
+            tasks.check_toy_data("--data", args.data)
+            tasks.check_toy_data("--eval-data", args.eval_data)
+        except ValueError as e:
+            ap.error(str(e))
     try:
         policies.check_scale(args.scale)
     except ValueError as e:

@@ -147,6 +147,14 @@ def default_data(scale: str, task: str) -> str:
     return DEFAULT_DATA[("toy" if scale == "toy" else "real", task)]
 
 
+def check_toy_data(flag: str, data) -> None:
+    """A ValueError for data the toy model cannot read: its character tokenizer knows only the
+    toy tasks. train.py and eval.py both ask here."""
+    if data and data not in ("toy_math", "toy_code"):
+        raise ValueError(f"{flag} {data}: the toy model and its character tokenizer only know the toy tasks "
+                         "(toy_math, toy_code); for real data pass a real model, e.g. --scale 0.6b or a model folder")
+
+
 def length_limits(scale: str, task: str) -> tuple:
     """(max new tokens, max prompt tokens, max embedded tokens) of one call by default: the toy
     world's limits at --scale toy (its texts are short: nothing embedded is shortened), else

@@ -101,3 +101,20 @@ def smollm2_folder():
     import toy
     os.makedirs(toy.CACHE, exist_ok=True)
     return convert_gguf(gguf_path, os.path.join(toy.CACHE, "smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A random 2-layer Qwen3 with the toy tokenizer, saved like a hub checkpoint (no warm start)."""
+    return save_tiny_toy_model(tmp_path_factory.mktemp("tiny-toy"))
+
+
+def refused(capsys, argv):
+    """The one stderr line of a train.py command line refused by its flags (exit 2, no usage
+    text, no traceback)."""
+    import train
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]

@@ -356,3 +356,10 @@ def test_offline_test_sets_are_taken_whole_or_capped(data, kind, size):
     assert len(ev.load_problems(data, kind, 5, 0)[0]) == 5
     with pytest.raises(ValueError, match="not a"):
         ev.load_problems(data, "math" if kind == "code" else "code", None, 0)
+
+
+def test_the_toy_model_refuses_real_data_in_one_line():
+    # the same refusal (tasks.check_toy_data) as train.py's, before any model loads
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--scale", "toy", "--task", "math", "--data", "gsm8k_test100", "--workflow", "single"])
+    assert str(e.value.code).startswith("error: --data gsm8k_test100: the toy model") and "--scale" in str(e.value.code)

@@ -8,21 +8,7 @@ import torch
 
 import flags
 import train
-from conftest import save_tiny_toy_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_toy_model(tmp_path_factory.mktemp("tiny-toy"))
-
-
-def refused(capsys, argv):
-    """The one stderr line of a refused command line (exit 2, no usage text, no traceback)."""
-    with pytest.raises(SystemExit) as e:
-        train.main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
+from conftest import refused
 
 
 @pytest.mark.parametrize("flag,value,message", [

@@ -1,7 +1,6 @@
 """The knobs of the mechanisms' causes, each a train.py flag that sweep.py can put on an axis:
 its effect on the workflow's topology or on the update, and its refusal of bad values."""
 import json
-import os
 import random
 
 import pytest
@@ -11,12 +10,7 @@ import damping
 import sweep
 import toy
 import train
-from conftest import save_tiny_toy_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_toy_model(tmp_path_factory.mktemp("tiny-toy"))
+from conftest import refused
 
 
 def run(model_dir, out, *extra, steps=1):
@@ -26,14 +20,6 @@ def run(model_dir, out, *extra, steps=1):
                 "--device", "cpu", "--quiet", "--out", str(out), *extra])
     with open(out / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def refused(capsys, argv):
-    with pytest.raises(SystemExit) as e:
-        train.main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1
-    return err[0]
 
 
 @pytest.mark.parametrize("n", [1, 5])

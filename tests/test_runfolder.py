@@ -12,14 +12,8 @@ import torch
 
 import runfolder
 import train
-from conftest import save_tiny_toy_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_toy_model(tmp_path_factory.mktemp("tiny-toy"))
 
 
 def argv(model_dir, out, *extra, steps=2):

@@ -14,13 +14,6 @@ import runfolder
 import toy
 import train
 import workflows
-from conftest import save_tiny_toy_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A random 2-layer Qwen3 with the toy tokenizer, saved like a hub checkpoint (no warm start)."""
-    return save_tiny_toy_model(tmp_path_factory.mktemp("tiny-toy"))
 
 
 def argv(model_dir, out, *extra, task="math", steps=2):
