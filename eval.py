@@ -589,7 +589,13 @@ def _dose_cli(args, summaries):
     else:
         print(analysis.text_table(analysis.DOSE_HEADERS, analysis.dose_rows(points), width=None))   # whole cells
         print(f"accuracy %, mean ±sd over seeds; norm / coherence / share: means over each run, then over seeds "
-              f"(roles abbreviated); knob {args.dose}\n")
+              f"(roles abbreviated); knob {args.dose}")
+        for lr in dict.fromkeys(p["lr"] for p in points):   # how each role's norm scales with the knob
+            slopes = {r: analysis.dose_slope(points, lr, r) for r in sorted({r for p in points for r in p["norm"]})}
+            fits = ", ".join(f"{r} {b:+.2f}" for r, b in slopes.items() if b is not None)
+            if fits:
+                print(f"lr {analysis.lr_label(lr)}: norm/opt step ~ {args.dose}^b, b = {fits} (least squares, log-log)")
+        print()
     if args.dose_figure:
         import plots
         try:

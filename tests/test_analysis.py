@@ -468,7 +468,10 @@ def test_a_dose_response_is_a_point_per_lr_and_value_over_its_seeds(tmp_path, ca
                                                 "damping") == "placebo"
     ev.main(["--runs", *runs, "--no-plots", "--dose", "n-voters", "--dose-figure", str(tmp_path / "dose.png")])
     out = capsys.readouterr().out
-    assert "norm/opt step" in out and "knob n-voters" in out
+    assert "norm/opt step" in out and "knob n-voters" in out and "lr 2e-3: norm/opt step ~ n-voters^b, b = " in out
+    b = analysis.dose_slope(points, 2e-3, "generator")   # exact on a power law: norm = N^-0.5
+    power = [{**p, "norm": {"generator": {"mean": p["value"] ** -0.5}}} for p in points]
+    assert b is not None and abs(analysis.dose_slope(power, 2e-3, "generator") + 0.5) < 1e-12
     if plots_available():
         assert os.path.isfile(tmp_path / "dose.png")
     # a run that differs in more than the knob, the lr and the seed is not a point of the curve
