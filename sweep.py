@@ -142,10 +142,12 @@ def toy_builds(args, jobs):
         return []
     models = list(dict.fromkeys((j.task, j.cmd[j.cmd.index("--toy-check") + 1] if "--toy-check" in j.cmd else "0")
                                 for j in jobs))
-    return [Job(f"toy-{t}" + (f"-check{c}" if c != "0" else ""),
-                [sys.executable, os.path.join(HERE, "toy.py"), "--task", t, *(["--check", c] if c != "0" else [])],
-                os.path.join(args.out, "logs", f"toy-{t}" + (f"-check{c}" if c != "0" else "") + ".log"))
-            for t, c in sorted(models, key=lambda m: (args.tasks.index(m[0]), int(m[1])))]
+    builds = []
+    for t, c in sorted(models, key=lambda m: (args.tasks.index(m[0]), int(m[1]))):
+        name = f"toy-{t}" + (f"-check{c}" if c != "0" else "")
+        cmd = [sys.executable, os.path.join(HERE, "toy.py"), "--task", t, *(["--check", c] if c != "0" else [])]
+        builds.append(Job(name, cmd, os.path.join(args.out, "logs", name + ".log")))
+    return builds
 
 
 # ----------------------------------------------------------------------------- flags
