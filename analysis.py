@@ -418,6 +418,18 @@ def _flag_value(v) -> str:
     return "none" if v is None else f"{v:g}" if is_num(v) and not isinstance(v, bool) else str(v)
 
 
+def _computed(cfg: dict, beside: tuple) -> dict:
+    """What a run's configuration says it computed, but for the keys `beside`: its flags, and of
+    its provenance the code (commit, "+dirty") and the base model's weights, so runs of other
+    code or another toy model never pool; library versions are recorded but not split on."""
+    out = {k: v for k, v in cfg.items() if k not in beside + ("provenance", "provenance_resumed")}
+    p = cfg.get("provenance")
+    if p:
+        out["code"] = f"{(p.get('commit') or 'unknown')[:7]}{'+dirty' if p.get('dirty') else ''}"
+        out["base_model"] = (p.get("model_sha256") or "unknown")[:8]
+    return out
+
+
 def label_variants(summaries: list) -> list:
     """Set each summary's `variant`: the flags (with this run's values) in which runs of the same
     workflow, task, scale, sharing and lr differ, beyond the seed and SAME_RUN, e.g.
@@ -427,7 +439,7 @@ def label_variants(summaries: list) -> list:
     for s in summaries:
         groups[tuple(s.get(k) for k in CELL_KEYS[:-1])].append(s)
     for group in groups.values():
-        cfgs = [{k: v for k, v in (s.get("config") or {}).items() if k not in SAME_RUN + CELL_CONFIG} for s in group]
+        cfgs = [_computed(s.get("config") or {}, SAME_RUN + CELL_CONFIG) for s in group]
         keys = sorted(set().union(*cfgs))
         differ = [k for k in keys if len({json.dumps(c.get(k), sort_keys=True) for c in cfgs}) > 1]
         for s, c in zip(group, cfgs):
@@ -528,11 +540,28 @@ def _dose_keys(knob: str) -> tuple:
     return SAME_RUN + ("lr",) + (("coherence_damp", "damp_placebo") if knob == DOSE_ARMS else (knob,))
 
 
+def _one_per_seed(ss: list) -> list:
+    """The runs of one dose point, one per seed: a second run of a seed already there (the same
+    run copied, or run twice) is the same draw, so it is left out, with one line."""
+    seen, out = set(), []
+    for s in ss:
+        if s["seed"] in seen:
+            print(f"warning: {s['name']} repeats seed {s['seed']}: counted once", file=sys.stderr)
+            continue
+        seen.add(s["seed"])
+        out.append(s)
+    return out
+
+
 def dose(summaries: list, knob: str) -> list:
     """One point per (lr, knob value) over the runs given (seeds): n, peak / final accuracy
     stats, cliffs, and the mean over seeds of each mechanism number of _run_means, per role.
     The runs must differ in nothing else (a ValueError names what else differs)."""
-    cfgs = [{k: v for k, v in (s.get("config") or {}).items() if k not in _dose_keys(knob)} for s in summaries]
+    known = sorted({k for s in summaries for k in (s.get("config") or {})} - set(SAME_RUN + CELL_CONFIG))
+    if knob != DOSE_ARMS and knob not in known:
+        raise ValueError(f"--dose {knob.replace('_', '-')}: not a setting of these runs (one of "
+                         f"{', '.join(k.replace('_', '-') for k in known)}, or {DOSE_ARMS})")
+    cfgs = [_computed(s.get("config") or {}, _dose_keys(knob)) for s in summaries]
     differ = sorted(k for k in set().union(*cfgs) if len({json.dumps(c.get(k), sort_keys=True) for c in cfgs}) > 1)
     if differ:
         raise ValueError(f"a dose-response of {knob} takes runs that differ only in it, the lr and the seed; "
@@ -545,6 +574,7 @@ def dose(summaries: list, knob: str) -> list:
     for (lr, value), ss in sorted(groups.items(), key=lambda kv: (
             kv[0][0] if is_num(kv[0][0]) else math.inf,
             order.index(kv[0][1]) if kv[0][1] in order else kv[0][1] if is_num(kv[0][1]) else 0)):
+        ss = _one_per_seed(ss)
         means = [_run_means(s) for s in ss]
         point = {"lr": lr, "value": value, "n": len(ss), "seeds": [s["seed"] for s in ss],
                  "cliffs": sum(s["cliff"] for s in ss), "peak": _stats([s["peak_acc"] for s in ss]),

@@ -40,6 +40,11 @@ def flat_grad(params) -> torch.Tensor:
                       for p in params])
 
 
+def flat_params(params) -> torch.Tensor:
+    """(N,) fp32 copy of the parameters' values, in flat_grad's order."""
+    return torch.cat([p.detach().reshape(-1).float() for p in params])
+
+
 def set_flat_grad(params, vec) -> None:
     """Write the (N,) vector back into the parameters' .grad, in flat_grad's order."""
     k = 0
@@ -66,7 +71,7 @@ class RoleDynamics(grpo.Probe):
         self.damp_log = defaultdict(list)      # role -> (cosine, scale) per optimizer step
         self.opt_steps = defaultdict(int)      # role -> optimizer steps whose mini-batch held it
         self.role_norm, self.slot_norm, self.adapters = {}, {}, {}
-        self.coherence, self.slot_cos, self.cos_roles = {}, {}, {}
+        self.coherence, self.slot_cos, self.cos_roles, self.move_cos = {}, {}, {}, {}
         self.parts, self.step_parts = {}, {}   # (role, slot) -> contribution: mini-batch, step
         self.last = None                       # the gradient read after the previous slot
         self.norms = []                        # pre-clip norm of each of the adapter's steps
@@ -75,6 +80,8 @@ class RoleDynamics(grpo.Probe):
 
     def begin(self, samples, runs, old, ent):
         self.samples, self.runs, self.old, self.ent = samples, runs, old, ent
+        # every adapter's weights before its first step: the step's displacement is measured from here
+        self.before = {name: flat_params(self.policy.parameters_of(name)) for name in self.policy.names}
 
     def tokens(self, role, mask, ratio, clipped, k3):
         with torch.no_grad():
@@ -112,8 +119,10 @@ class RoleDynamics(grpo.Probe):
 
     def adapter_done(self, name, rows, lr):
         n = len(self.norms)
-        self.adapters[name] = {"n": rows, "opt_steps": n, "grad_norm": sum(self.norms) / n if n else 0.0, "lr": lr}
-        self._reduce(self.step_parts)
+        move = flat_params(self.policy.parameters_of(name)) - self.before.pop(name)   # (N,) the step's move
+        self.adapters[name] = {"n": rows, "opt_steps": n, "grad_norm": sum(self.norms) / n if n else 0.0, "lr": lr,
+                               "displacement": float(move.norm())}
+        self._reduce(self.step_parts, move)
         self.step_parts, self.norms = {}, []
 
     # ------------------------------------------------------------------ reductions
@@ -126,15 +135,17 @@ class RoleDynamics(grpo.Probe):
             by_role[role].append(v)
         return {role: torch.stack(vs).sum(0) if len(vs) > 1 else vs[0] for role, vs in by_role.items()}
 
-    def _reduce(self, parts) -> None:
+    def _reduce(self, parts, move) -> None:
         """Per-role and per-slot norms, slot cosines, coherence and role cosines of one adapter's
-        step contributions, as floats (the vectors are freed after)."""
+        step contributions, and each role's alignment with the adapter's `move` (the step's
+        displacement), as floats (the vectors are freed after)."""
         roles_here = sorted({r for r, _ in parts}, key=self.policy.roles.index)
         rvec = {}
         for role in roles_here:
             keys = sorted(k for k in parts if k[0] == role)
             rvec[role] = sum(parts[k] for k in keys)
             self.role_norm[role] = float(rvec[role].norm())
+            self.move_cos[role] = cosine(-rvec[role], move)   # > 0: the weights moved down the role's gradient
             for k in keys:
                 self.slot_norm[k[1]] = float(parts[k].norm())
             if len(keys) > 1:
@@ -179,7 +190,9 @@ class RoleDynamics(grpo.Probe):
              "grad_norm_opt": sum(opt) / len(opt) if opt else 0.0, "grad_norm_opt_max": max(opt, default=0.0),
              "clip_frac": tok and t["clipped"] / tok, "ratio_mean": tok and t["ratio"] / tok,
              "entropy": t["ent"] / t["ent_n"] if t["ent_n"] else None,
-             "logprob_gap": t["gap"] / t["gap_n"] if t["gap_n"] else None, "opt_steps": self.opt_steps[role]}
+             "logprob_gap": t["gap"] / t["gap_n"] if t["gap_n"] else None, "opt_steps": self.opt_steps[role],
+             "displacement": self.adapters.get(self.policy.adapter(role), {}).get("displacement", 0.0),
+             "move_cos": self.move_cos.get(role)}
         if kl:
             r["kl"] = tok and t["kl"] / tok
         if self.damp_log.get(role):

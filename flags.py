@@ -126,6 +126,9 @@ def _optimisation_flags(g):
     g.add_argument("--adv-group", default="slot", choices=["slot", "role"], help="advantage groups: (problem, slot) as the paper, or (problem, role) (default: %(default)s)")
     g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-base coefficient for every role, k3 estimator (default: %(default)s, as the paper)")
     g.add_argument("--kl-coef-role", action="append", default=[], metavar="ROLE=VALUE", help="per-role KL coefficient, repeatable")
+    g.add_argument("--lr-role", action="append", default=[], metavar="ROLE=VALUE",
+                   help="per-role learning rate under --sharing isolated, repeatable; 0 freezes the role (no step, no "
+                   "weight decay, its rows skip the forward and backward)")
     g.add_argument("--coherence-damp", action="append", default=[], metavar="ROLE=LAMBDA",
                     help="scale a role's gradient by 1 - LAMBDA max(0, cos(g, EMA of its past gradients)) at each optimizer step, repeatable")
     g.add_argument("--coherence-window", type=int, default=10, help="EMA window of --coherence-damp, optimizer steps (default: %(default)s)")
@@ -171,7 +174,7 @@ def resume_args(ap, args):
         saved = json.load(f)
     given = {a.dest: getattr(args, a.dest) for a in ap._actions
              if a.dest != "help" and getattr(args, a.dest) != a.default}
-    for k in ("kl_coef_role", "coherence_damp"):  # saved as {ROLE: value}
+    for k in ("kl_coef_role", "lr_role", "coherence_damp"):  # saved as {ROLE: value}
         if k in given:
             given[k] = {r: float(v) for r, _, v in (x.partition("=") for x in given[k])}
     ignored = [f"--{k.replace('_', '-')} {v} (saved {saved.get(k)})" for k, v in given.items()
@@ -227,6 +230,7 @@ def resolve_args(ap, args):
     args.mini_batch = args.problems_per_step * args.group_size if args.mini_batch is None else args.mini_batch
     roles = workflows.ROLES[args.workflow]
     args.kl_coef_role = _pairs(ap, args.kl_coef_role, "--kl-coef-role", roles, args.workflow)
+    args.lr_role = _pairs(ap, args.lr_role, "--lr-role", roles, args.workflow)
     args.coherence_damp = _pairs(ap, args.coherence_damp, "--coherence-damp", roles, args.workflow)
     args.out = args.out or os.path.join("runs", f"{args.workflow}-{args.task}-{args.sharing}-"
                                         f"{os.path.basename(os.path.normpath(args.scale))}-s{args.seed}")
@@ -256,6 +260,10 @@ def check_args(ap, args):
         ap.error("--clip-c must be > 1 (the dual clip caps a negative advantage's loss at c |A|, above the clipped surrogate)")
     if any(v < 0 for v in args.kl_coef_role.values()):
         ap.error("--kl-coef-role VALUE must be >= 0")
+    if any(v < 0 for v in args.lr_role.values()):
+        ap.error("--lr-role VALUE must be >= 0")
+    if args.lr_role and args.sharing == "shared":
+        ap.error("--lr-role needs --sharing isolated: under shared every role updates one adapter, with one lr")
     row = (args.max_prompt_tokens or 1) + args.max_new_tokens
     if args.token_budget < row:
         ap.error(f"--token-budget {args.token_budget} holds no row at the length limits: at least {row} "

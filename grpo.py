@@ -299,19 +299,30 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 
 def make_optimizers(policy, lr: float, warmup_steps: int, total_steps: int,
-                    weight_decay: float = 0.0, betas=(0.9, 0.999)):
+                    weight_decay: float = 0.0, betas=(0.9, 0.999), lr_role: dict | None = None):
     """One AdamW per adapter name of the policy, and one LambdaLR per AdamW.
 
+    `lr_role` {role: lr} sets the base lr of the adapter that role trains (one role per adapter
+    under isolated); an adapter whose base lr is 0 is frozen (`frozen`).
     The schedulers are stepped once per training step, every one of them, however many
     mini-batches (optimizer steps) its adapter took: so every role follows the same lr curve in
     training steps, and a role that makes more calls takes more steps, not a faster-decaying lr."""
+    lr_of = {policy.adapter(role): v for role, v in (lr_role or {}).items()}
     opts, scheds = {}, {}
     for name in policy.names:
-        opts[name] = torch.optim.AdamW(policy.parameters_of(name), lr=lr, betas=betas,
+        opts[name] = torch.optim.AdamW(policy.parameters_of(name), lr=lr_of.get(name, lr), betas=betas,
                                        weight_decay=weight_decay)
+        opts[name].param_groups[0]["frozen"] = lr_of.get(name) == 0   # saved with the optimizer's state
         scheds[name] = torch.optim.lr_scheduler.LambdaLR(
             opts[name], lambda s: lr_factor(s, warmup_steps, total_steps))
     return opts, scheds
+
+
+def frozen(optimizer) -> bool:
+    """The optimizer of a role given lr 0 (`--lr-role ROLE=0`): its adapter takes no step at all, so
+    not even AdamW's weight decay moves it, and its rows run no forward. (A global `--lr 0` is
+    not a freeze: every step still runs, at lr 0.)"""
+    return bool(optimizer.param_groups[0].get("frozen", False))
 
 
 def step_schedulers(schedulers) -> None:
@@ -473,12 +484,13 @@ def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, pro
     probe = probe or Probe()
     if set(hp.kl_coef_role) - set(policy.roles):
         raise KeyError(f"kl_coef_role names roles {sorted(set(hp.kl_coef_role) - set(policy.roles))} not in {policy.roles}")
-    runs = rows_to_run(samples, hp)
-    plan = {name: minibatches(adapter_rows(policy, samples, name, shuffle), hp.mini_batch) for name in policy.names}
+    names = [name for name in policy.names if not frozen(optimizers[name])]
+    runs = [r and policy.adapter(s.role) in names for r, s in zip(rows_to_run(samples, hp), samples)]
+    plan = {name: minibatches(adapter_rows(policy, samples, name, shuffle), hp.mini_batch) for name in names}
     later = set(i for mbs in plan.values() for mb in mbs[1:] for i in mb)
     refs = reference_logprobs(policy, samples, [runs[i] and i in later for i in range(len(samples))], runs, hp)
     probe.begin(samples, runs, *refs[:2])
-    for name in policy.names:
+    for name in names:
         opt, params = optimizers[name], policy.parameters_of(name)
         for mb in plan[name]:
             denom = denominator(samples, mb, hp.loss_norm)

@@ -15,9 +15,12 @@ optimizer, scheduler and damping states), and `done` at the end. Rank 0 alone wr
   an uninterrupted one would have: the problems of step k and every draw are keyed by the step
   (seeds.py), not by a generator's state.
 """
+import hashlib
 import json
 import os
+import platform
 import shutil
+import subprocess
 import sys
 import time
 
@@ -164,6 +167,59 @@ def find_checkpoint(out, name="ckpt-last", upto=None):
     return (target, step) if folder is not None else (None, None)
 
 
+# ----------------------------------------------------------------------------- provenance
+
+HASH_LIMIT = 256 * 2**20   # bytes: larger weight files are not hashed (null), a hub model is named by its id
+
+
+def _git(*argv):
+    """Output of a git command in this file's repository, or None without git or a repository."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, *argv], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def file_sha256(path: str) -> str | None:
+    """sha256 of a file of at most HASH_LIMIT bytes, else None."""
+    if not os.path.isfile(path) or os.path.getsize(path) > HASH_LIMIT:
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def provenance(model_dir: str | None) -> dict:
+    """What a run came from: the code's commit (and whether tracked files differ from it), the
+    library versions, and the sha256 of the base model's weights file (the toy model's)."""
+    import torch
+    import transformers
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    weights = os.path.join(model_dir, "model.safetensors") if model_dir else ""
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "model_sha256": file_sha256(weights)}
+
+
+def _record_provenance(args, now: dict) -> None:
+    """A fresh run records `now`; a resume that runs other code or another model appends it to
+    `provenance_resumed` and says so in one line."""
+    first = getattr(args, "provenance", None)
+    if first is None:
+        args.provenance = now
+        return
+    keys = ("commit", "dirty", "model_sha256", "torch", "transformers")
+    if any(first.get(k) != now.get(k) for k in keys):
+        args.provenance_resumed = [*(getattr(args, "provenance_resumed", None) or []), now]
+        print(f"warning: resuming with other code or another model than the run started with: "
+              f"{', '.join(f'{k} {first.get(k)} -> {now.get(k)}' for k in keys if first.get(k) != now.get(k))}",
+              file=sys.stderr)
+
+
 # ----------------------------------------------------------------------------- a run's state
 
 def open_run(run):
@@ -177,6 +233,7 @@ def open_run(run):
         os.makedirs(args.out, exist_ok=True)
         if args.resume:
             ck, step = resume_folder(args, run.files)
+        _record_provenance(args, provenance(getattr(run.policy.model, "name_or_path", None)))
         path = os.path.join(args.out, "config.json")
         if not os.path.isfile(path):
             run.created.append(path)

@@ -107,7 +107,7 @@ def setup(args, comm=None):
     policy = policies.Policy(model, tok, workflows.ROLES[args.workflow], args.sharing, args.isolation,
                              args.lora_rank, args.lora_alpha, checkpointing=checkpointing)
     optimizers, schedulers = grpo.make_optimizers(policy, args.lr, args.warmup_steps, args.steps,
-                                                  weight_decay=args.weight_decay)
+                                                  weight_decay=args.weight_decay, lr_role=dict(args.lr_role or {}))
     # measured after the model is loaded: on CUDA the default is a share of what is left free
     kv_budget = int(args.kv_budget_gb * 2**30) if args.kv_budget_gb else rollout.default_kv_budget(device)
     damp = None

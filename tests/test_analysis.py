@@ -479,6 +479,17 @@ def test_a_dose_response_is_a_point_per_lr_and_value_over_its_seeds(tmp_path, ca
     with pytest.raises(SystemExit) as e:
         ev.main(["--runs", *runs, shared, "--no-plots", "--dose", "n-voters"])
     assert "also differ in sharing" in str(e.value.code)
+    # a knob that is no setting of the runs (a typo) is refused in one line
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--runs", *runs, "--no-plots", "--dose", "n-voter"])
+    assert "--dose n-voter: not a setting of these runs" in str(e.value.code) and "n-voters" in str(e.value.code)
+    # a second run of a seed already there is counted once
+    twin = _with_config(synthetic_run(tmp_path, "voting", "math", "isolated", seed=0, lr=1e-3, name="v1-twin-s0"),
+                        n_voters=1)
+    capsys.readouterr()
+    twice = analysis.dose(ev.analyse_runs([*runs, twin], plots=False, quiet=True)[0], "n_voters")
+    assert [p["n"] for p in twice] == [p["n"] for p in points] and twice[0]["seeds"] == [0, 1]
+    assert "v1-twin-s0 repeats seed 0: counted once" in capsys.readouterr().err
 
 
 def plots_available():

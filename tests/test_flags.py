@@ -28,11 +28,21 @@ from conftest import refused
     ("--weight-decay", "-0.1", "--weight-decay must be >= 0"),
     ("--kl-coef-role", "generator=-1", "--kl-coef-role VALUE must be >= 0"),
     ("--device", "gpu", "--device gpu: expected cpu, cuda or cuda:N"),
+    ("--lr-role", "generator=-1", "--lr-role VALUE must be >= 0"),
+    ("--lr-role", "generator=fast", "--lr-role 'generator=fast': expected ROLE=VALUE with a number"),
+    ("--lr-role", "critic=0", "--lr-role critic: not a role of voting"),
 ])
 def test_values_that_cannot_be_meant_are_refused_in_one_line(capsys, tmp_path, flag, value, message):
     line = refused(capsys, [flag, value, "--out", str(tmp_path / "r")])
     assert message in line and line.endswith("(see python train.py --help)")
     assert not (tmp_path / "r").exists()
+
+
+def test_lr_role_under_shared_is_refused_in_one_line(capsys, tmp_path):
+    line = refused(capsys, ["--lr-role", "aggregator=0", "--out", str(tmp_path / "r")])   # shared is the default
+    assert "--lr-role needs --sharing isolated" in line
+    a = flags.parse_args(["--lr-role", "aggregator=0", "--sharing", "isolated", "--out", str(tmp_path / "r")])
+    assert a.lr_role == {"aggregator": 0.0}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")

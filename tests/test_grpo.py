@@ -279,6 +279,41 @@ def test_optimizer_steps_follow_ceil_n_over_mini_batch(sharing, steps):
         assert "cos_roles" not in out  # roles on different adapters are not compared
 
 
+def test_lr_role_zero_freezes_the_role_bit_for_bit_over_two_steps():
+    pol = make_policy(("generator", "aggregator"), "isolated")
+    S = sampled(pol, ROWS)
+    before = {n: snapshot(pol.parameters_of(n)) for n in pol.names}
+    # weight decay on: a frozen role must not even decay
+    opts, scheds = grpo.make_optimizers(pol, lr=1e-2, warmup_steps=0, total_steps=10, weight_decay=0.1,
+                                        lr_role={"aggregator": 0.0, "generator": 5e-3})
+    assert opts["generator"].param_groups[0]["lr"] == 5e-3
+    for _ in range(2):
+        out = step(pol, opts, scheds, S, mini_batch=2)
+    assert all(torch.equal(b, p) for b, p in zip(before["aggregator"], pol.parameters_of("aggregator")))
+    assert all(changed(before["generator"], pol.parameters_of("generator")))
+    assert not any(opts["aggregator"].state[p] for p in pol.parameters_of("aggregator"))   # not one AdamW step
+    assert "aggregator" not in out["adapters"]
+    agg = out["roles"]["aggregator"]
+    assert agg["skipped"] == 2 and agg["grad_norm"] == 0.0 and agg["displacement"] == 0.0 and agg["entropy"] is None
+    assert out["roles"]["generator"]["displacement"] > 0
+
+
+@pytest.mark.parametrize("sharing", ["shared", "isolated"])
+def test_displacement_is_the_parameter_difference_over_the_whole_step(sharing):
+    pol = make_policy(("generator", "aggregator"), sharing)
+    S = sampled(pol, ROWS)
+    before = {n: torch.cat([p.detach().reshape(-1).clone() for p in pol.parameters_of(n)]) for n in pol.names}
+    opts, scheds = grpo.make_optimizers(pol, lr=1e-3, warmup_steps=0, total_steps=10)
+    out = step(pol, opts, scheds, S, mini_batch=1)   # several optimizer steps per adapter
+    for n in pol.names:
+        after = torch.cat([p.detach().reshape(-1) for p in pol.parameters_of(n)])
+        assert out["adapters"][n]["opt_steps"] > 1
+        assert out["adapters"][n]["displacement"] == pytest.approx(float((after - before[n]).norm()), rel=1e-6)
+    for role, r in out["roles"].items():
+        assert r["displacement"] == out["adapters"][pol.adapter(role)]["displacement"]
+        assert -1.0 <= r["move_cos"] <= 1.0
+
+
 def test_lr_schedule_warmup_then_cosine_to_zero():
     f = [grpo.lr_factor(s, 3, 10) for s in range(11)]
     assert f[:3] == pytest.approx([1 / 3, 2 / 3, 1.0]) and f[3] == pytest.approx(1.0)

@@ -68,6 +68,25 @@ def test_two_steps_write_a_well_formed_run(model_dir, tmp_path, workflow, sharin
         assert len([n for n in names if os.path.isdir(out / ck / n)]) == n_adapters
     assert torch.load(out / "ckpt-last" / "state.pt", weights_only=False)["step"] == 2
     assert (out / "done").exists()
+
+
+def test_config_records_the_code_libraries_and_model_weights_the_run_came_from(model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    train.main(argv(model_dir, out, steps=1))
+    p = json.load(open(out / "config.json"))["provenance"]
+    assert p["torch"] == torch.__version__ and p["python"].count(".") == 2
+    assert p["model_sha256"] == runfolder.file_sha256(os.path.join(model_dir, "model.safetensors"))
+    head = runfolder._git("rev-parse", "HEAD")   # None where the tests run outside a git checkout
+    assert p["commit"] == head and (p["dirty"] is None) == (head is None)
+    # a resume with another model (here: a changed provenance) keeps the first and appends, saying so
+    cfg = json.load(open(out / "config.json"))
+    cfg["provenance"]["model_sha256"] = "0" * 64
+    json.dump(cfg, open(out / "config.json", "w"))
+    capsys.readouterr()
+    train.main(["--resume", str(out), "--steps", "2"])
+    cfg = json.load(open(out / "config.json"))
+    assert cfg["provenance"]["model_sha256"] == "0" * 64 and cfg["provenance_resumed"][0] == p
+    assert "resuming with other code or another model" in capsys.readouterr().err
     assert not any(n.endswith(".tmp") for n in os.listdir(out))
 
 
