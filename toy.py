@@ -378,11 +378,16 @@ def save_model(model, folder: str) -> None:
     """The model as a Hugging Face folder (config, generation config, model.safetensors), written
     by whichever process builds it: transformers' save_pretrained writes nothing on a
     torch.distributed rank other than 0, and under torchrun the builder may be any rank."""
-    from safetensors.torch import save_model as save_tensors
+    from safetensors.torch import save_file
     os.makedirs(folder, exist_ok=True)
     model.config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
-    save_tensors(model, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})   # tied weights once
+    # the tied output matrix is the embedding: saved once, under the embedding's name, so the file's
+    # bytes are a function of the weights alone (safetensors' own de-duplication picks a name by
+    # set order, which changes with the process's hash seed)
+    state = {k: v.contiguous() for k, v in sorted(model.state_dict().items())
+             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
 
 
 def new_model(tok):
@@ -438,8 +443,27 @@ def sft_batch(tok, task, rng, n, check: int = 0):
     return ids, pos, attn[:, None], loss_mask, segments
 
 
+@contextlib.contextmanager
+def one_thread():
+    """torch on one intra-op thread inside, as it was after. A float sum split over threads is
+    added in another order, and 520 steps of training turn that last-bit difference into other
+    weights; on one thread the build is the same whatever the caller's thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def warm_start(task: str, warm: dict, quiet: bool = False):
-    """Train the toy model from scratch on role transcripts; return (model, tokenizer)."""
+    """Train the toy model from scratch on role transcripts, on one thread (`one_thread`); return
+    (model, tokenizer)."""
+    with one_thread():
+        return _warm_start(task, warm, quiet)
+
+
+def _warm_start(task: str, warm: dict, quiet: bool):
     from tqdm import tqdm
     torch.manual_seed(warm["seed"])
     rng = random.Random(warm["seed"])

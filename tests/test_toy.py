@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import policies  # noqa: E402
 import rewards  # noqa: E402
+import runfolder  # noqa: E402
 import tasks  # noqa: E402
 import toy  # noqa: E402
 import workflows as wf  # noqa: E402
@@ -572,3 +573,31 @@ def test_a_build_on_a_rank_other_than_0_writes_a_whole_model(tmp_path, monkeypat
     monkeypatch.undo()
     model, tok = policies.load(folder)
     assert model.config.vocab_size == len(tok) and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_the_build_is_the_same_model_with_one_and_two_threads(tmp_path):
+    """The warm start runs on one thread whatever the caller's count, so two builds of one key,
+    one under 1 thread and one under 2, write the same weights bit for bit."""
+    warm = json.dumps({"steps": 6, "batch": 24})
+    code = "import torch, sys, toy; torch.set_num_threads(int(sys.argv[1])); print(toy.model_folder('math', quiet=True))"
+    digests = []
+    for threads in ("1", "2"):
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MARL_TOY_WARM": warm, "PYTHONPATH": ROOT,
+               "MARL_CACHE": str(tmp_path / threads)}
+        out = subprocess.run([sys.executable, "-c", code, threads], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-1500:]
+        digests.append(runfolder.file_sha256(os.path.join(out.stdout.strip(), "model.safetensors")))
+    assert digests[0] is not None and digests[0] == digests[1]
+
+
+def test_the_warm_start_trains_on_one_thread(monkeypatch):
+    seen = []
+    monkeypatch.setattr(toy, "_warm_start", lambda *a: seen.append(torch.get_num_threads()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        toy.warm_start("math", {**toy.WARM, **TINY})
+        assert seen == [1] and torch.get_num_threads() == 2   # and the caller's count is back after
+    finally:
+        torch.set_num_threads(threads)
