@@ -7,23 +7,47 @@ At each optimizer step a role's gradient g is scaled by
 
 where m is an EMA of the role's past (scaled) gradients over `--coherence-window` optimizer
 steps. A gradient that keeps pointing where the role already went is damped; the first step of
-a role (no history) is not, and LAMBDA 0 leaves the update exact. It acts through
-dynamics.RoleDynamics, which hands it each role's part of the step's gradient and rebuilds
-.grad from the scaled parts.
+a role (no history) is not, and LAMBDA 0 leaves the update exact. It plugs into the update
+through grpo's Intervention seam: it splits each optimizer step's gradient into its (role,
+slot) parts as the diagnostics do (dynamics.SlotParts, summed over the ranks under torchrun),
+and rebuilds .grad from the scaled parts only when some scale is not 1 (so a scale of 1 leaves
+.grad exactly as the update left it).
 """
-from dynamics import cosine
+import grpo
+import seeds
+from dynamics import SlotParts, by_role, cosine, set_flat_grad
 
 
-class CoherenceDamp:
-    """`damp(role, g) -> (scale, cosine or None)` for this optimizer step's gradient of `role`;
-    updates the role's EMA. Roles without a LAMBDA get (1.0, None)."""
+class CoherenceDamp(grpo.Intervention):
+    """Scales each damped role's part of every optimizer step's gradient; `log` holds this
+    training step's (cosine, scale) per role and optimizer step (dynamics.RoleDynamics reports
+    them). Roles without a LAMBDA are left as they are."""
 
-    def __init__(self, lambdas: dict, window: int = 10):
+    def __init__(self, lambdas: dict, window: int = 10, comm=None):
         if window < 1:
             raise ValueError("coherence window must be >= 1")
         self.lambdas, self.decay, self.ema = dict(lambdas), 1.0 - 1.0 / window, {}
+        self.reader, self.log = SlotParts(comm), {}
+
+    def begin(self):
+        self.log = {}
+
+    def slot_done(self, name, role, slot, params):
+        self.reader.read(role, slot, params)
+
+    def adjust(self, name, params):
+        parts = self.reader.take()
+        scales = {}
+        for role, g in by_role(parts).items():
+            scales[role], cos = self(role, g)
+            if cos is not None:
+                self.log.setdefault(role, []).append((cos, scales[role]))
+        if any(s != 1.0 for s in scales.values()):   # only then rebuild: scale 1 keeps .grad exact
+            set_flat_grad(params, sum(v * scales[role] for (role, _), v in parts.items()))
 
     def __call__(self, role: str, g):
+        """(scale, cosine or None) for this optimizer step's gradient `g` of `role`; updates the
+        role's EMA."""
         if role not in self.lambdas:
             return 1.0, None
         m = self.ema.get(role)
@@ -50,12 +74,11 @@ class PlaceboDamp(CoherenceDamp):
     uniformly from that history (keyed by the seed, the role and the step count, so a resumed
     run draws the same). A rescue that the placebo also gives is not the coherence mechanism."""
 
-    def __init__(self, lambdas: dict, window: int = 10, seed: int = 0):
-        super().__init__(lambdas, window)
+    def __init__(self, lambdas: dict, window: int = 10, seed: int = 0, comm=None):
+        super().__init__(lambdas, window, comm)
         self.seed, self.history = seed, {}
 
     def _choose(self, role: str, factor: float) -> float:
-        import seeds
         past = self.history.setdefault(role, [])
         past.append(factor)
         return past[seeds.derive(self.seed, "placebo", role, len(past)) % len(past)]

@@ -1,31 +1,29 @@
 """Role-level gradient dynamics of one training step: the numbers the paper explains its results
-with, measured through grpo's Probe seam without an extra backward.
+with, measured through grpo's Probe seam without an extra backward. A probe only reads: the
+weights are the same with or without it.
 
     dyn = RoleDynamics(policy, comm=None, damp=None)
     grpo.update(policy, optimizers, schedulers, samples, hp, shuffle, probe=dyn)
     metrics = dyn.summary()          # the step's per-role, per-slot and per-adapter fields
 
-How the parts are read: inside a mini-batch the update runs its micro-batches grouped by role
-and, within a role, by slot, and calls `slot_done` after each slot; the flattened gradient is
-read there, and the difference from the previous reading is that slot's contribution (it
-carries the slot's share of the loss normalisation, so it is not weighted again). Summed over
-the step's mini-batches they give the per-slot and per-role gradients (`grad_norm`); the norm
-of a role's part of each optimizer step gives `grad_norm_opt`, the figure that compares roles
-taking different numbers of steps. Every field: docs/RUNFOLDER.md.
-
-Two things act on an optimizer step's gradient here, in `before_step`, because both need its
-per-(role, slot) parts:
-- data parallelism (`comm`, parallel.py): every part is summed over the ranks and .grad is set
-  to their sum, so every norm, share, cosine and coherence is that of the global gradient;
-- coherence damping (`damp`, damping.py): each role's part is scaled by the damper's factor,
-  and .grad is rebuilt from the scaled parts only when some factor is not 1 (so a factor of 1
-  leaves .grad exactly as the backward left it).
+How the parts are read (`SlotParts`): inside a mini-batch the update runs its micro-batches
+grouped by role and, within a role, by slot, and calls `slot_done` after each slot; the
+flattened gradient is read there, and the difference from the previous reading is that slot's
+contribution (it carries the slot's share of the loss normalisation, so it is not weighted
+again). Under data parallelism (`comm`) the parts are summed over the ranks here, by the probe
+itself and only when it is on, so every norm, share, cosine and coherence is that of the
+global gradient (the update sums the gradient itself). Summed over the step's mini-batches the
+parts give the per-slot and per-role gradients (`grad_norm`); the norm of a role's part of each
+optimizer step gives `grad_norm_opt`, the figure that compares roles taking different numbers
+of steps; each adapter's weights before and after the step give its `displacement`. With
+coherence damping (damping.py, which reads the parts the same way through grpo's Intervention
+seam) the damper's cosines and scales are reported here. Every field: docs/RUNFOLDER.md.
 
 Memory: per slot of an adapter, one fp32 vector the size of the adapter for the mini-batch and
-one for the step, plus two readings of the gradient, held while that adapter's mini-batches
-run. For LoRA rank 64 on Qwen3-4B an adapter is ~130M numbers (~0.5 GB), so Voting under
-shared holds ~5 GB; with --isolation full they are the size of the model, which is why full
-copies are for small models only.
+one for the step, plus two readings of the gradient and a copy of the adapter's weights, held
+while that adapter's mini-batches run. For LoRA rank 64 on Qwen3-4B an adapter is ~130M numbers
+(~0.5 GB), so Voting under shared holds ~5 GB; with --isolation full they are the size of the
+model, which is why full copies are for small models only.
 """
 from collections import defaultdict
 
@@ -60,20 +58,55 @@ def cosine(a, b):
     return None if na == 0 or nb == 0 else float(a @ b) / (na * nb)
 
 
+class SlotParts:
+    """Each (role, slot)'s part of an optimizer step's gradient, read without an extra backward:
+    `update` runs a mini-batch's micro-batches slot by slot, so the difference between two
+    readings of .grad is one slot's contribution (with the slot's share of the loss
+    normalisation). Under data parallelism (`comm`) `take` sums every part over the ranks, so
+    the parts are those of the global gradient; they sum to it within rounding."""
+
+    def __init__(self, comm=None):
+        self.comm, self.parts, self.last = comm, {}, None
+
+    def read(self, role, slot, params) -> None:
+        now = flat_grad(params)                   # (N,) this process's gradient so far
+        self.parts[role, slot] = now if self.last is None else now - self.last
+        self.last = now
+
+    def take(self) -> dict:
+        """{(role, slot): (N,) part} of the optimizer step, then start the next one. Every rank
+        holds the same keys in the same order, since every rank walks the same global mini-batch."""
+        parts, self.parts, self.last = self.parts, {}, None
+        if self.comm and parts:
+            keys = list(parts)
+            stack = self.comm.all_reduce_(torch.stack([parts[k] for k in keys]))   # (K, N)
+            parts = {k: stack[j] for j, k in enumerate(keys)}
+        return parts
+
+
+def by_role(parts) -> dict:
+    """{role: the sum of its slots' parts}."""
+    out = defaultdict(list)
+    for (role, _), v in parts.items():
+        out[role].append(v)
+    return {role: torch.stack(vs).sum(0) if len(vs) > 1 else vs[0] for role, vs in out.items()}
+
+
 class RoleDynamics(grpo.Probe):
-    """Per-role and per-slot gradient norms, shares, cosines and coherence of one step, and the
-    token statistics of the objective; `summary()` gives them as the step's metrics."""
+    """Per-role and per-slot gradient norms, shares, cosines and coherence of one step, each
+    adapter's displacement, and the token statistics of the objective; `summary()` gives them as
+    the step's metrics. With `damp` (the damping.CoherenceDamp the update is given) it also
+    reports the damping's cosines and scales."""
 
     def __init__(self, policy, comm=None, damp=None):
         self.policy, self.comm, self.damp = policy, comm, damp
         self.stats = defaultdict(float)        # (role, field) -> token counts and sums
         self.opt_norms = defaultdict(list)     # role -> norm of its part of each optimizer step
-        self.damp_log = defaultdict(list)      # role -> (cosine, scale) per optimizer step
         self.opt_steps = defaultdict(int)      # role -> optimizer steps whose mini-batch held it
         self.role_norm, self.slot_norm, self.adapters = {}, {}, {}
         self.coherence, self.slot_cos, self.cos_roles, self.move_cos = {}, {}, {}, {}
-        self.parts, self.step_parts = {}, {}   # (role, slot) -> contribution: mini-batch, step
-        self.last = None                       # the gradient read after the previous slot
+        self.reader = SlotParts(comm)          # the (role, slot) parts of the optimizer step
+        self.step_parts = {}                   # (role, slot) -> its parts summed over the step
         self.norms = []                        # pre-clip norm of each of the adapter's steps
 
     # ------------------------------------------------------------------ the hooks
@@ -92,25 +125,13 @@ class RoleDynamics(grpo.Probe):
                 self.stats[role, "kl"] += float((k3 * mask).sum())
 
     def slot_done(self, name, role, slot, params):
-        now = flat_grad(params)                  # (N,) the mini-batch's gradient so far
-        self.parts[role, slot] = now if self.last is None else now - self.last
-        self.last = now
+        self.reader.read(role, slot, params)
 
     def before_step(self, name, params):
-        parts, self.parts, self.last = self.parts, {}, None
-        if self.comm:
-            import parallel
-            parts = parallel.reduce_parts(self.comm, parts, params)   # .grad = the global sum
-        scales = {}
-        for role, g in self._by_role(parts).items():
+        parts = self.reader.take()
+        for role, g in by_role(parts).items():
             self.opt_norms[role].append(float(g.norm()))              # before damping and clipping
             self.opt_steps[role] += 1
-            if self.damp is not None:
-                scales[role], cos = self.damp(role, g)
-                if cos is not None:
-                    self.damp_log[role].append((cos, scales[role]))
-        if any(s != 1.0 for s in scales.values()):   # only then rebuild: scale 1 keeps .grad exact
-            set_flat_grad(params, sum(v * scales.get(role, 1.0) for (role, _), v in parts.items()))
         for k, v in parts.items():
             self.step_parts[k] = self.step_parts[k].add_(v) if k in self.step_parts else v
 
@@ -126,14 +147,6 @@ class RoleDynamics(grpo.Probe):
         self.step_parts, self.norms = {}, []
 
     # ------------------------------------------------------------------ reductions
-
-    @staticmethod
-    def _by_role(parts) -> dict:
-        """{role: the sum of its slots' parts}."""
-        by_role = defaultdict(list)
-        for (role, _), v in parts.items():
-            by_role[role].append(v)
-        return {role: torch.stack(vs).sum(0) if len(vs) > 1 else vs[0] for role, vs in by_role.items()}
 
     def _reduce(self, parts, move) -> None:
         """Per-role and per-slot norms, slot cosines, coherence and role cosines of one adapter's
@@ -195,9 +208,10 @@ class RoleDynamics(grpo.Probe):
              "move_cos": self.move_cos.get(role)}
         if kl:
             r["kl"] = tok and t["kl"] / tok
-        if self.damp_log.get(role):
-            r["damp_cos"] = sum(c for c, _ in self.damp_log[role]) / len(self.damp_log[role])
-            r["damp_scale"] = sum(x for _, x in self.damp_log[role]) / len(self.damp_log[role])
+        log = self.damp.log.get(role) if self.damp is not None else None
+        if log:
+            r["damp_cos"] = sum(c for c, _ in log) / len(log)
+            r["damp_scale"] = sum(x for _, x in log) / len(log)
         return r
 
     def summary(self, hp=None) -> dict:

@@ -438,7 +438,7 @@ def load_problems(data: str, kind: str, n: int | None, seed: int) -> tuple:
     return tasks.load_task(data, "test", n, seed), None
 
 
-def _make_llm(args, st: dict, kind: str):
+def _llm_from_settings(args, st: dict, kind: str):
     import policies
     import rollout
     model, tokenizer = policies.load(st["scale"], device=args.device, toy_task=kind, quiet=args.quiet or args.json,
@@ -490,7 +490,7 @@ def _evaluate_cli(args):
             tasks.check_toy_data("--data", st["data"])
         # the run's evaluation set is a fixed subset (seed 0, as train.py draws it)
         problems, note = load_problems(st["data"], st["task"], st["problems"], 0)
-        llm = _make_llm(args, st, st["task"])
+        llm = _llm_from_settings(args, st, st["task"])
     except (ValueError, RuntimeError, OSError, ImportError, KeyError) as e:
         raise SystemExit(f"error: {e}")
     for n in notes + ([note] if note else []) + [st["draws_note"]]:

@@ -31,12 +31,13 @@ Each choice and the train.py flag that sets it (the flags fill a `Hyper`, fields
   mini-batch (so a role with more calls takes more steps under isolated), gradients
   accumulated over micro-batches of at most `--token-budget` padded tokens, clipped to
   `--max-grad-norm` per optimizer step; lr `--lr` with `--warmup-steps` of linear warm-up then
-  cosine to 0 over `--steps`.
+  cosine to 0 over `--steps`; under isolated a role's own lr with `--lr-role ROLE=VALUE`, where
+  0 freezes the role.
 
 Three devices keep memory and time bounded without changing the gradient:
 - `token_logprobs`: the fp32 log-softmax is taken chunk by chunk by a small autograd function
   whose backward rebuilds each chunk, so no (B, T, V) fp32 tensor is ever held;
-- `micro_batches`: rows of alike length packed up to `--token-budget` padded tokens;
+- `forward_batches`: rows of alike length packed up to `--token-budget` padded tokens;
 - `rows_to_run`: a row with advantage exactly 0 and no KL has a loss of -0 * ratio, so no
   gradient: it skips the old-logprob recompute and the training forward and backward, and
   still counts in the denominators.
@@ -46,11 +47,15 @@ completions right after them (so every completion starts at column P) and right-
 position_ids = cumsum(mask) - 1; the attention mask is always passed; the logprob of
 completion token t is read from the logits at position P-1+t.
 
-What observes or changes the update plugs in through one seam, a `Probe` (the base class
-does nothing, so `update(..., probe=None)` is the plain method): dynamics.RoleDynamics
-measures the role-level gradient dynamics, and through it the coherence intervention
-(damping.py) and the data-parallel reduction (parallel.py) act on each optimizer step's
-gradient before it is clipped.
+Under torchrun each optimizer step's gradient is summed over the ranks inside `update`, by the
+`reduce` it is given (parallel.Comm.reduce_grads), so N ranks take the steps one process holding
+every row would. What observes the update plugs in through a `Probe`, which only reads
+(dynamics.RoleDynamics: the role-level gradient dynamics); the one thing that may change a
+gradient, coherence damping (damping.py), plugs in through an `Intervention`. Both base classes
+do nothing, so `update(..., probe=None, intervention=None)` is the plain method.
+Micro-batches hold one slot each (rows of one (role, slot), packed by length), so a probe or
+an intervention splits the gradient by slot by reading .grad between them, without an extra
+backward.
 
 Run the tests: `python -m pytest -q tests/test_grpo.py`.
 """
@@ -219,10 +224,11 @@ def batch_logprobs(model, prompts: list, completions: list, temperature: float,
     return lp, ent, cmask
 
 
-def micro_batches(samples: list, rows: list, token_budget: int) -> list:
-    """Split `rows` (indices into samples) into lists whose rows x padded length (longest prompt
-    + longest completion) fits token_budget; sorted by length so rows of a batch are alike. A
-    row longer than the budget gets a micro-batch of its own."""
+def forward_batches(samples: list, rows: list, token_budget: int) -> list:
+    """The micro-batches of one forward and backward each: `rows` (indices into samples) split
+    into lists whose rows x padded length (longest prompt + longest completion) fits
+    token_budget; sorted by length so rows of a batch are alike. A row longer than the budget
+    gets a micro-batch of its own."""
     order = sorted(rows, key=lambda i: (len(samples[i].prompt_ids) + len(samples[i].completion_ids),
                                         len(samples[i].prompt_ids)), reverse=True)
     out, cur, P, T = [], [], 0, 0
@@ -242,7 +248,7 @@ def sequence_logprobs(model, samples: list, temperature: float, token_budget: in
     """Per-sample fp32 logprobs of the completion tokens (list of 1-D tensors, in the order of
     `samples`) and their entropies (same shape, no grad). Grad flows if grad is enabled."""
     lps, ents = [None] * len(samples), [None] * len(samples)
-    for mb in micro_batches(samples, list(range(len(samples))), token_budget):
+    for mb in forward_batches(samples, list(range(len(samples))), token_budget):
         lp, ent, _ = batch_logprobs(model, [samples[i].prompt_ids for i in mb],
                                     [samples[i].completion_ids for i in mb], temperature, entropy=True)
         for r, i in enumerate(mb):
@@ -362,8 +368,9 @@ class Hyper:
 
 
 class Probe:
-    """The seam through which diagnostics and interventions reach the update. `update` calls
-    these hooks in this order; every one does nothing here."""
+    """The seam through which diagnostics read the update; a probe only reads (removing it
+    leaves the same weights). `update` calls these hooks in this order; every one does nothing
+    here."""
 
     def begin(self, samples, runs, old, ent):
         """Before the first adapter: which rows run, their old logprobs and entropies."""
@@ -372,16 +379,34 @@ class Probe:
         """After a micro-batch's loss: its per-token tensors, (B, T) each (k3 may be None)."""
 
     def slot_done(self, name, role, slot, params):
-        """After the backward of a slot's micro-batches in the mini-batch (.grad holds it)."""
+        """After the backward of a slot's micro-batches in the mini-batch: .grad holds this
+        process's gradient so far."""
 
     def before_step(self, name, params):
-        """The mini-batch's whole gradient is in .grad, before clipping; may change it."""
+        """.grad holds the mini-batch's whole gradient, summed over the ranks, before any
+        intervention and clipping."""
 
     def after_step(self, name, norm):
         """After the optimizer step; `norm` is the gradient's norm before clipping."""
 
     def adapter_done(self, name, rows, lr):
         """After the adapter's last step: the number of its rows and the lr it used."""
+
+
+class Intervention:
+    """The seam of what may change a gradient before the optimizer takes it (coherence damping,
+    damping.py). `update` calls `begin` once, `slot_done` after each slot's backward (so the
+    gradient can be split by role, as a Probe does) and `adjust` once per optimizer step, after
+    the cross-rank sum and the probe's reading, before clipping. Here it changes nothing."""
+
+    def begin(self):
+        """Before the first adapter of a training step."""
+
+    def slot_done(self, name, role, slot, params):
+        """As Probe.slot_done."""
+
+    def adjust(self, name, params):
+        """May rewrite .grad (the global gradient of the optimizer step)."""
 
 
 def rows_to_run(samples, hp: Hyper) -> list:
@@ -425,8 +450,9 @@ def adapter_rows(policy, samples, name, shuffle=None) -> list:
     return rows
 
 
-def minibatches(rows: list, size: int) -> list:
-    """ceil(n / size) contiguous pieces of `rows`, their sizes differing by at most one."""
+def optimizer_batches(rows: list, size: int) -> list:
+    """The mini-batches of one optimizer step each: ceil(n / size) contiguous pieces of `rows`,
+    their sizes differing by at most one."""
     n = len(rows)
     k = math.ceil(n / size)
     return [rows[j * n // k:(j + 1) * n // k] for j in range(k)]
@@ -476,20 +502,24 @@ def micro_loss(model, samples, rows, refs, hp: Hyper, denom):
     return loss, (mask, ratio, clipped, k3)
 
 
-def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, probe=None) -> None:
+def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, reduce=None, probe=None,
+           intervention=None) -> None:
     """One training step over `samples`: every adapter's rows shuffled with the torch.Generator
     `shuffle` (None: in order) and cut into mini-batches; old logprobs once, for the rows after
     each adapter's first mini-batch (that one runs at the old weights); one optimizer step per
-    mini-batch; then every scheduler steps once."""
-    probe = probe or Probe()
+    mini-batch, of the gradient summed over the data-parallel ranks by `reduce(params)`
+    (parallel.Comm.reduce_grads; None in one process); then every scheduler steps once.
+    A frozen adapter (`frozen`) takes no step and its rows run nothing."""
+    probe, intervention = probe or Probe(), intervention or Intervention()
     if set(hp.kl_coef_role) - set(policy.roles):
         raise KeyError(f"kl_coef_role names roles {sorted(set(hp.kl_coef_role) - set(policy.roles))} not in {policy.roles}")
     names = [name for name in policy.names if not frozen(optimizers[name])]
     runs = [r and policy.adapter(s.role) in names for r, s in zip(rows_to_run(samples, hp), samples)]
-    plan = {name: minibatches(adapter_rows(policy, samples, name, shuffle), hp.mini_batch) for name in names}
+    plan = {name: optimizer_batches(adapter_rows(policy, samples, name, shuffle), hp.mini_batch) for name in names}
     later = set(i for mbs in plan.values() for mb in mbs[1:] for i in mb)
     refs = reference_logprobs(policy, samples, [runs[i] and i in later for i in range(len(samples))], runs, hp)
     probe.begin(samples, runs, *refs[:2])
+    intervention.begin()
     for name in names:
         opt, params = optimizers[name], policy.parameters_of(name)
         for mb in plan[name]:
@@ -497,14 +527,18 @@ def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, pro
             for p in params:  # zeros, not None: a mini-batch with nothing to run still steps AdamW
                 p.grad = torch.zeros_like(p)
             for (role, slot), slot_rows in by_slot(samples, mb, policy.roles):
-                for micro in micro_batches(samples, [i for i in slot_rows if runs[i]], hp.token_budget):
+                for micro in forward_batches(samples, [i for i in slot_rows if runs[i]], hp.token_budget):
                     # the backward runs under the adapter too: checkpointed layers recompute in it
                     with policy.using(name) as model:
                         loss, per_token = micro_loss(model, samples, micro, refs, hp, denom)
                         loss.backward()
                     probe.tokens(role, *per_token)
                 probe.slot_done(name, role, slot, params)
+                intervention.slot_done(name, role, slot, params)
+            if reduce is not None:
+                reduce(params)                # .grad: the global gradient of the mini-batch
             probe.before_step(name, params)
+            intervention.adjust(name, params)
             norm = torch.nn.utils.clip_grad_norm_(params, hp.max_grad_norm or math.inf)
             opt.step()
             probe.after_step(name, float(norm))

@@ -16,9 +16,9 @@ Choices:
   cuts the same global mini-batches on every rank, divides by the global mini-batch, and
   runs the forward and backward of its own rows only: N ranks take the same optimizer steps
   as one process holding every sample.
-- Gradients are summed over ranks once per optimizer step, together with the per-slot parts
-  the diagnostics read (`reduce_parts`, called by dynamics.RoleDynamics before each step), so
-  norms, shares, cosines and coherence are those of the global gradient whatever N is.
+- Gradients are summed over ranks once per optimizer step by grpo.update itself, through the
+  `Comm.reduce_grads` train.py hands it; the diagnostics and the damping sum the per-slot
+  parts they read themselves (dynamics.SlotParts), only when they are on.
 - Scalars and small records (counts, evaluation results, the rows' shapes) go through
   `sum` / `gather` (all_gather_object), which every rank must call in the same order.
 - Failure: a rank that raises exits non-zero; its peers' next collective fails (gloo: the
@@ -31,6 +31,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+import grpo
 
 TIMEOUT = datetime.timedelta(minutes=60)  # the longest one rank may wait for the others (a rollout)
 
@@ -57,6 +59,15 @@ class Comm:
         dist.all_reduce(t)
         return t
 
+    def reduce_grads(self, params) -> None:
+        """Sum the parameters' .grad over the ranks, in place: one collective for the flat vector."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = self.all_reduce_(torch.cat([g.reshape(-1).float() for g in grads]))    # (N,) fp32
+        k = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[k:k + g.numel()].view_as(p).to(p.dtype)
+            k += g.numel()
+
     def sum(self, values):
         """Sum a float or a list of floats over ranks."""
         t = torch.tensor(values if isinstance(values, list) else [values], dtype=torch.float64, device=self.dev)
@@ -81,7 +92,6 @@ def every_rank_rows(comm: Comm, samples: list) -> list:
     """The step's rows of every rank, in rank order: this rank's Samples as they are, the
     others' as stand-ins (here=False; no prompt, zeros for the completion ids, which only
     count tokens). Every rank gets the same list but for which rows are its own."""
-    import grpo
     shapes = comm.gather([(s.role, s.slot, s.problem_id, len(s.completion_ids), s.finished, s.reward,
                            s.advantage, s.rollout, s.call) for s in samples])
     out = []
@@ -92,18 +102,6 @@ def every_rank_rows(comm: Comm, samples: list) -> list:
         out += [grpo.Sample(role, slot, pid, [], [0] * n, [], fin, reward, adv, rollout, call, here=False)
                 for role, slot, pid, n, fin, reward, adv, rollout, call in rows]
     return out
-
-
-def reduce_parts(comm: Comm, parts: dict, params: list) -> dict:
-    """Sum every (role, slot) part of an optimizer step's gradient over the ranks, set .grad to
-    their sum (the global gradient) and return the global parts. Every rank holds the same
-    keys in the same order, since every rank walks the same global mini-batch."""
-    from dynamics import set_flat_grad
-    keys = list(parts)
-    stack = torch.stack([parts[k] for k in keys])    # (K, N)
-    comm.all_reduce_(stack)
-    set_flat_grad(params, stack.sum(0))
-    return {k: stack[j] for j, k in enumerate(keys)}
 
 
 def init(device: str | None = None) -> Comm | None:

@@ -73,7 +73,7 @@ class Run:
 
 # ----------------------------------------------------------------------------- set-up
 
-def make_llm(policy, args, kv_budget):
+def llm_from_flags(policy, args, kv_budget):
     import rollout
     return rollout.make_llm(policy, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
@@ -112,9 +112,9 @@ def setup(args, comm=None):
     kv_budget = int(args.kv_budget_gb * 2**30) if args.kv_budget_gb else rollout.default_kv_budget(device)
     damp = None
     if args.coherence_damp:
-        damp = (damping.PlaceboDamp(args.coherence_damp, args.coherence_window, args.seed) if args.damp_placebo
-                else damping.CoherenceDamp(args.coherence_damp, args.coherence_window))
-    return Run(args, policy, optimizers, schedulers, make_llm(policy, args, kv_budget), train_set, test_set,
+        damp = (damping.PlaceboDamp(args.coherence_damp, args.coherence_window, args.seed, comm=comm)
+                if args.damp_placebo else damping.CoherenceDamp(args.coherence_damp, args.coherence_window, comm=comm))
+    return Run(args, policy, optimizers, schedulers, llm_from_flags(policy, args, kv_budget), train_set, test_set,
                runfolder.files(args.out), hyper=flags.hyper(args), params=flags.workflow_params(args), damp=damp,
                comm=comm, kv_budget=kv_budget)
 
@@ -256,8 +256,9 @@ def main(argv=None):
             samples = grpo.samples_from_episodes(episodes, group_by=args.adv_group)
             rows = parallel.every_rank_rows(comm, samples) if comm else samples
             shuffle = torch.Generator().manual_seed(seeds.derive(args.seed, "shuffle", step))   # every rank's
-            dyn = dynamics.RoleDynamics(run.policy, comm=comm, damp=run.damp)
-            grpo.update(run.policy, run.optimizers, run.schedulers, rows, run.hyper, shuffle=shuffle, probe=dyn)
+            dyn = dynamics.RoleDynamics(run.policy, comm=comm, damp=run.damp)   # reads the update, changes nothing
+            grpo.update(run.policy, run.optimizers, run.schedulers, rows, run.hyper, shuffle=shuffle,
+                        reduce=comm.reduce_grads if comm else None, probe=dyn, intervention=run.damp)
             # 5. log, evaluate, save (a stop that reached any rank stops them all at this step)
             m = runfolder.step_record(run, step, episodes, dyn.summary(run.hyper), (t0, t1, t2, time.time()))
             runfolder.log_step(run, step, m, episodes, samples)

@@ -75,14 +75,16 @@ def main(out, sharing):
             applied.append((_name, dynamics.flat_grad(pol.parameters_of(_name)).clone()))
             return _real(*a, **k)
         o.step = step
-    damp = damping.CoherenceDamp({"generator": 0.5}, window=2)
+    plain = os.environ.get("DP_PLAIN") == "1"   # the method alone: no probe, no intervention
+    damp = None if plain else damping.CoherenceDamp({"generator": 0.5}, window=2, comm=comm)
     hp = grpo.Hyper(temperature=0.7, mini_batch=4, token_budget=24)
     rows = parallel.every_rank_rows(comm, samples) if comm else samples
-    dyn = dynamics.RoleDynamics(pol, comm=comm, damp=damp)
+    dyn = None if plain else dynamics.RoleDynamics(pol, comm=comm, damp=damp)
     # the shuffle train.py passes: one generator per step, seeded alike on every rank
     shuffle = torch.Generator().manual_seed(seeds.derive(0, "shuffle", 1))
-    grpo.update(pol, opts, scheds, rows, hp, shuffle=shuffle, probe=dyn)
-    stats = [dyn.summary(hp)]
+    grpo.update(pol, opts, scheds, rows, hp, shuffle=shuffle, reduce=comm.reduce_grads if comm else None,
+                probe=dyn, intervention=damp)
+    stats = [] if plain else [dyn.summary(hp)]
     rank = comm.rank if comm else 0
     torch.save({"params": {n: [p.detach().clone() for p in pol.parameters_of(n)] for n in pol.names},
                 "stats": stats, "applied": applied}, os.path.join(out, f"rank{rank}.pt"))

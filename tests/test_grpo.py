@@ -44,7 +44,7 @@ def step(pol, opts, scheds, S, generator=None, damp=None, probe=None, **hp):
     the given probe): the step's metrics."""
     h = grpo.Hyper(temperature=TEMP, **hp)
     dyn = probe or dynamics.RoleDynamics(pol, damp=damp)
-    grpo.update(pol, opts, scheds, S, h, shuffle=generator, probe=dyn)
+    grpo.update(pol, opts, scheds, S, h, shuffle=generator, probe=dyn, intervention=damp)
     return dyn.summary(h)
 
 
@@ -186,7 +186,7 @@ def test_token_logprobs_chunked_equals_log_softmax(monkeypatch):
 def test_micro_batches_respect_the_token_budget():
     S = [grpo.Sample("g", "g", "p", [3] * p, [4] * t, [], True, 0.0, 0.0)
          for p, t in [(5, 3), (2, 9), (7, 7), (1, 1), (4, 4), (30, 10)]]
-    mbs = grpo.micro_batches(S, list(range(len(S))), token_budget=20)
+    mbs = grpo.forward_batches(S, list(range(len(S))), token_budget=20)
     assert sorted(i for mb in mbs for i in mb) == list(range(len(S)))
     for mb in mbs:
         P = max(len(S[i].prompt_ids) for i in mb)
@@ -348,7 +348,7 @@ class Captured(dynamics.RoleDynamics):
         self.seen = []
 
     def before_step(self, name, params):
-        self.seen.append(({k: v.clone() for k, v in self.parts.items()}, dynamics.flat_grad(params)))
+        self.seen.append(({k: v.clone() for k, v in self.reader.parts.items()}, dynamics.flat_grad(params)))
         super().before_step(name, params)
 
 
