@@ -190,6 +190,19 @@ def _damp_note(ax, ylabel: str):
                   fontsize=8, loc="best")
 
 
+def _coherence_note(ax, ylabel: str, metrics: list):
+    """The coherence panel names its roles and draws, per role, what N orthogonal slot
+    gradients give (1/sqrt(N), dotted); 1 is N slots pushing one way."""
+    if ylabel != "slot coherence":
+        return
+    for role in sorted({r for m in metrics for r in (m.get("slot_cos") or {})}):
+        pairs = next(m["slot_cos"][role] for m in reversed(metrics) if (m.get("slot_cos") or {}).get(role))
+        n = len({slot for pair in pairs for slot in pair.split("|")})
+        ax.axhline(n ** -0.5, color=role_color(role), ls=":", lw=1, label=f"{role}: {n} orthogonal slots, 1/sqrt({n})")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7, loc="best")
+
+
 def _style(key):
     """(role, line style) of a panel's series key."""
     return (key[0], "--" if key[1] == "cos" else "-") if isinstance(key, tuple) else (key, "-")
@@ -206,6 +219,7 @@ def _draw_gradients(Figure, run: dict, s: dict):
             ax.plot(*zip(*ser), lw=1.2, ls=ls, color=role_color(role), label=None if ls == "--" else role)
         ax.set_ylabel(ylabel)
         _damp_note(ax, ylabel)
+        _coherence_note(ax, ylabel, run["metrics"])
         ax.grid(alpha=0.3)
         if ax is axes[0]:
             _log_axis(ax, [v for ser in series.values() for _, v in ser])
@@ -224,6 +238,8 @@ def _draw_outputs(Figure, run: dict, s: dict):
     fig, axes = _panels(Figure, len(panels), cell_title(s) + ": per-role output")
     for ax, (ylabel, series) in zip(axes, panels):
         _role_lines(ax, series, ylabel, marker="o" if "eval" in ylabel else None, ms=3)
+        if "rate" in ylabel:   # a rate reads against its whole range, not an autoscaled sliver
+            ax.set_ylim(-0.02, 1.02)
         _mark_cliffs(ax, [s["cliff_step"]] if s["cliff"] else [], label=ax is axes[0])
     _finish(fig, axes)
     return fig
@@ -407,19 +423,26 @@ def plot_overlay(title: str, groups: dict, path: str) -> str | None:
     axes[1].set_ylabel("train reward (%)")
     for ax in axes:
         ax.grid(alpha=0.3)
-    axes[0].plot([], [], "v", color="white", mec="tab:red", label="cliff step (a seed)")
+    if any(s["cliff"] for group in groups.values() for s, _ in group):
+        axes[0].plot([], [], "v", color="white", mec="tab:red", label="cliff step (a seed)")
     _finish(fig, axes)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     return path
 
 
 def plot_dose(points: list, knob: str, path: str, title: str | None = None) -> str | None:
+    """The dose-response figure (dose_figure) saved at `path`; None without points."""
+    if not points:
+        return None
+    dose_figure(points, knob, title).savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def dose_figure(points: list, knob: str, title: str | None = None):
     """A dose-response figure: against the knob's value (x), one line per lr, mean over seeds
     with the min..max band: peak and final accuracy, the cliff rate, each role's gradient
     norm per optimizer step and share, and the coherence of roles with several slots."""
     Figure = _figure_class()
-    if not points:
-        return None
     xs_all = list(dict.fromkeys(p["value"] for p in points))
     numeric = all(is_num(x) for x in xs_all)
     pos = (lambda v: v) if numeric else (lambda v: xs_all.index(v))
@@ -439,14 +462,16 @@ def plot_dose(points: list, knob: str, path: str, title: str | None = None) -> s
     for ax, label in zip(axes, ("accuracy (%)", "cliff rate", "grad norm / opt step", "grad share", "coherence")):
         ax.set_ylabel(label, fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
     axes[1].set_ylim(-0.05, 1.05)
     _log_axis(axes[2], [p["norm"][r]["mean"] for p in points for r in p["norm"] if p["norm"][r]])
     axes[-1].set_xlabel(knob.replace("_", "-"))
     if not numeric:
         axes[-1].set_xticks(range(len(xs_all)), [str(v) for v in xs_all])
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return path
+    elif all(float(v).is_integer() for v in xs_all):   # voters, rounds, tokens: no ticks between
+        axes[-1].set_xticks(sorted(xs_all), [f"{v:g}" for v in sorted(xs_all)])
+    return fig
 
 
 def _stat_line(ax, x, stats, color, label, ls, scale=1.0):

@@ -77,6 +77,8 @@ def synthetic_run(root, workflow="voting", task="math", sharing="isolated", seed
             rec["roles"][r] = d
         if workflow == "voting":
             rec["coherence"] = {"generator": 0.9 if near else 0.58 + rnd.uniform(-0.03, 0.03)}
+            rec["slot_cos"] = {"generator": {"generator0|generator1": 0.0, "generator0|generator2": 0.0,
+                                             "generator1|generator2": 0.0}}
         metrics.append(rec)
     name = name or f"{workflow}-{task}-{sharing}-toy-lr{lr:g}-s{seed}"
     folder = write_run(root, name, accs, eval_every=eval_every, metrics=metrics,

@@ -50,6 +50,33 @@ def test_figures_name_the_cell_give_the_reward_its_own_panel_and_drop_empty_pane
         assert "parse-fail rate (eval)" in outputs
 
 
+def test_rates_read_on_their_whole_range_and_coherence_against_orthogonal_slots(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install matplotlib)")
+    from matplotlib.figure import Figure
+    folder = synthetic_run(tmp_path, "voting", "math", "isolated", steps=10)
+    run, s = analysis.load_run(folder), analysis.analyse_run(folder)
+    outputs = {ax.get_ylabel(): ax for ax in plots._draw_outputs(Figure, run, s).axes}
+    assert outputs["parse-fail rate (eval)"].get_ylim() == (-0.02, 1.02)   # not 0-0.006
+    grads = {ax.get_ylabel(): ax for ax in plots._draw_gradients(Figure, run, s).axes}
+    coherence = grads["slot coherence"]
+    labels = [t.get_text() for t in coherence.get_legend().get_texts()]
+    assert "generator: 3 orthogonal slots, 1/sqrt(3)" in labels and "generator" in labels
+    assert any(abs(line.get_ydata()[0] - 3 ** -0.5) < 1e-12 for line in coherence.get_lines())
+    # no run with a cliff: no legend entry for one
+    assert not any("cliff" in t.get_text() for ax in grads.values() if ax.get_legend()
+                   for t in ax.get_legend().get_texts())
+
+
+def test_an_integer_knob_has_integer_ticks(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install matplotlib)")
+    points = [{"lr": 2e-3, "value": n, "n": 2, "cliffs": 0, "peak": None, "final": None, "norm": {}, "share": {},
+               "coherence": {}} for n in (1, 2, 4, 8)]
+    path = plots.plot_dose(points, "n_voters", str(tmp_path / "dose.png"))
+    assert _is_png(path)
+    fig = plots.dose_figure(points, "n_voters")
+    assert [t.get_text() for t in fig.axes[-1].get_xticklabels()] == ["1", "2", "4", "8"]
+
+
 def test_damping_fields_are_summarised_and_get_a_panel(tmp_path):
     run = synthetic_run(tmp_path, sharing="shared", damp=True, steps=10)
     m = analysis.analyse_run(run)["mechanisms"]
