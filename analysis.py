@@ -51,6 +51,7 @@ and imports neither plots.py nor eval.py (plots.py reads runs through it); eval.
 the three steps, summaries, figures (skipped with one line when matplotlib is missing) and
 `write_report`. `--json` prints the summaries, cells and figures.
 """
+import gzip
 import json
 import math
 import os
@@ -87,10 +88,12 @@ def read_jsonl(path: str, required: tuple = (), quiet: bool = False) -> list:
     """Records of a JSONL file; [] if missing. A line that does not parse (a run killed
     mid-write leaves a torn last line) or lacks a numeric `required` field is skipped with
     one warning on stderr naming path:line."""
+    if not os.path.isfile(path) and os.path.isfile(path + ".gz"):   # a log kept compressed (studies.py)
+        path += ".gz"
     if not os.path.isfile(path):
         return []
     out = []
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         for no, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -140,7 +143,7 @@ def is_run_folder(path: str) -> bool:
     workflow (a model folder has a config.json too)."""
     if not os.path.isdir(path):
         return False
-    if any(os.path.isfile(os.path.join(path, f)) for f in ("metrics.jsonl", "eval.jsonl")):
+    if any(os.path.isfile(os.path.join(path, f)) for f in ("metrics.jsonl", "eval.jsonl", "metrics.jsonl.gz")):
         return True
     return "workflow" in read_config(path, quiet=True)
 

@@ -474,6 +474,29 @@ def dose_figure(points: list, knob: str, title: str | None = None):
     return fig
 
 
+def plot_arms(title: str, arms: list, values: dict, path: str) -> str:
+    """A study's arms side by side: for each measure of `values` {measure: {arm: [per seed]}}
+    a panel with every seed as a dot and the mean ± standard error as a bar."""
+    Figure = _figure_class()
+    fig = Figure(figsize=(max(6.0, 1.0 + 0.9 * len(arms)), 1.4 + 2.4 * len(values)))
+    axes = fig.subplots(len(values), 1, sharex=True, squeeze=False)[:, 0]
+    fig.suptitle(title, fontsize=11)
+    for ax, (measure, by_arm) in zip(axes, values.items()):
+        for i, arm in enumerate(arms):
+            ys = by_arm.get(arm) or []
+            ax.plot([i + 0.12 * (j - (len(ys) - 1) / 2) for j in range(len(ys))], ys, "o", color="0.55", ms=4)
+            if ys:
+                m = sum(ys) / len(ys)
+                se = (sum((y - m) ** 2 for y in ys) / (len(ys) - 1) / len(ys)) ** 0.5 if len(ys) > 1 else 0.0
+                ax.errorbar([i], [m], yerr=[se], fmt="_", color="tab:blue", ms=18, mew=2, capsize=4)
+        ax.set_ylabel(f"{measure} accuracy (%)")
+        ax.grid(alpha=0.3, axis="y")
+    axes[-1].set_xticks(range(len(arms)), arms, rotation=30, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
 def _stat_line(ax, x, stats, color, label, ls, scale=1.0):
     """Means with a min..max band, skipping points without a value."""
     pts = [(xi, st) for xi, st in zip(x, stats) if st]

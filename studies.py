@@ -1,0 +1,360 @@
+"""The toy lab's studies as data: which runs each study holds, their logs kept under
+results/STUDY/, and each study's table, effect sizes and figure regenerated from those logs.
+
+    python studies.py keep amplification RUN [RUN ...]   # copy finished runs' logs into results/
+    python studies.py report                             # every study's table and contrasts
+    python studies.py report amplification --write       # and its block in docs/RESULTS.md, its figure
+
+Choices:
+- A kept run is results/STUDY/RUN/ with config.json, metrics.jsonl and eval.jsonl (each
+  gzip-compressed, as FILE.gz, past GZIP_OVER bytes) and an empty `done`: no checkpoints, no
+  samples. Only a finished run is kept (its folder has `done`); keeping it again replaces it.
+- One study, one commit and one toy model: `keep` refuses a run whose provenance (the commit,
+  a dirty tree, the base model's sha256; config.json's `provenance`) differs from the runs
+  the study already holds, so runs of other code or another toy model are never pooled.
+- A run belongs to an arm, named from its configuration by the study's `arm` function
+  (e.g. "N=8, equal steps"). Per arm: seeds, base / peak / final accuracy and the drop from
+  the peak (mean ± standard error over seeds), terminal cliffs k/n (analysis.py's rule), and
+  the study's mechanism columns.
+- A contrast "A minus B" is the difference of the two arms' mean final accuracy, D ± E points
+  with E = sqrt(se_A^2 + se_B^2) (the seeds of two arms are independent draws).
+- docs/RESULTS.md holds each study's block between `<!-- study NAME -->` and
+  `<!-- end NAME -->`, written by `report --write`; tests/test_results.py regenerates every
+  block from results/ and fails when the page and the logs drift apart.
+"""
+import argparse
+import gzip
+import json
+import math
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+
+import analysis
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+PAGE = os.path.join(HERE, "docs", "RESULTS.md")
+FIGURES = os.path.join(HERE, "docs", "figures")
+KEPT = ("config.json", "metrics.jsonl", "eval.jsonl")
+GZIP_OVER = 1_000_000   # bytes: a larger log is kept compressed
+ORIGIN = ("commit", "dirty", "model_sha256")   # what must be one across a study's runs
+
+
+# ----------------------------------------------------------------------------- the studies
+
+def _voters(cfg: dict) -> str:
+    """Amplification's arm: the number of voters, and the control or lr that differs."""
+    n = cfg.get("n_voters") or 3
+    per_step = cfg.get("problems_per_step", 16) * cfg.get("group_size", 8)
+    tags = []
+    if (cfg.get("lr_role") or {}).get("aggregator") == 0:
+        tags.append("aggregator frozen")
+    if n > 1 and cfg.get("mini_batch") == n * per_step:
+        tags.append("equal steps")
+    if cfg.get("lr") != 2e-3:
+        tags.append(f"lr {analysis.lr_label(cfg.get('lr'))}")
+    return ", ".join([f"N={n}", *tags])
+
+
+def _check_length(cfg: dict) -> str:
+    return f"{cfg.get('workflow')}, L={cfg.get('toy_check') or 0}"
+
+
+def _damping_arm(cfg: dict) -> str:
+    arm = "placebo" if cfg.get("damp_placebo") else "damping" if cfg.get("coherence_damp") else "none"
+    return f"{cfg.get('workflow')}, {arm}"
+
+
+@dataclass
+class Study:
+    """One study: what it asks, how its runs split into arms, the contrasts it reports."""
+    title: str
+    arm: object                                   # config -> arm name
+    order: list                                   # the arms, in the table's order
+    contrasts: list                               # [(arm A, arm B)]: final accuracy A minus B
+    roles: tuple = ()                             # roles whose mechanism columns the table shows
+    runs: str = ""                                # how the runs were made (the page shows it)
+    mechanisms: list = field(default_factory=lambda: ["displacement", "len", "parse_fail"])
+
+
+STUDIES = {
+    "amplification": Study(
+        "Amplification: Voting / Isolated, math, the number of voters N and two controls",
+        _voters,
+        ["N=1", "N=2", "N=4", "N=8", "N=4, equal steps", "N=8, equal steps", "N=4, aggregator frozen",
+         "N=8, aggregator frozen", "N=1, lr 1e-3", "N=8, lr 1e-3"],
+        [("N=8", "N=1"), ("N=8", "N=8, equal steps"), ("N=8", "N=8, aggregator frozen"), ("N=4", "N=1"),
+         ("N=4", "N=4, equal steps"), ("N=4", "N=4, aggregator frozen"), ("N=8, lr 1e-3", "N=1, lr 1e-3")],
+        roles=("generator", "aggregator"),
+        runs="python sweep.py --jobs 1 --tasks math --workflows voting --sharings isolated --lrs 2e-3 --seeds S "
+             "--axis n-voters=8,4,2,1 -- --steps 60 --eval-every 10 --eval-problems 256; equal steps: "
+             "--axis n-voters=N --axis mini-batch=128N; aggregator frozen: -- --lr-role aggregator=0; "
+             "lr 1e-3: --lrs 1e-3 --axis n-voters=8,1 -- --steps 100"),
+    "capture": Study(
+        "Capture: Shared, math, the supervisors' check length L (their gradient mass)",
+        _check_length,
+        [f"{w}, L={L}" for w in ("voting", "eval_opt") for L in (0, 8, 24)],
+        [("voting, L=24", "voting, L=0"), ("eval_opt, L=24", "eval_opt, L=0")],
+        roles=("generator", "aggregator", "evaluator"), mechanisms=["share", "len", "parse_fail"],
+        runs="python sweep.py --jobs 1 --tasks math --workflows voting eval_opt --sharings shared --lrs 2e-3 "
+             "--seeds S --axis toy-check=0,8,24 -- --steps 60 --eval-every 10 --eval-problems 256"),
+    "damping": Study(
+        "Coherence damping against its placebo and against nothing: Isolated, math, lr 2e-3",
+        _damping_arm,
+        [f"{w}, {a}" for w in ("orch_workers", "eval_opt") for a in ("none", "damping", "placebo")],
+        [(f"{w}, damping", f"{w}, {b}") for w in ("orch_workers", "eval_opt") for b in ("none", "placebo")],
+        roles=("worker", "generator"), mechanisms=["displacement", "damp_scale"],
+        runs="python sweep.py --jobs 1 --tasks math --workflows W --sharings isolated --lrs 2e-3 --seeds S "
+             "-- --steps 60 --eval-every 10 --eval-problems 256 [--coherence-damp worker=0.5 | generator=0.5] "
+             "[--damp-placebo]"),
+}
+
+
+# ----------------------------------------------------------------------------- keeping runs
+
+def origin(cfg: dict) -> tuple:
+    p = cfg.get("provenance") or {}
+    return tuple(p.get(k) for k in ORIGIN)
+
+
+def kept_runs(study: str) -> list:
+    """The run folders a study holds, by name."""
+    folder = os.path.join(RESULTS, study)
+    if not os.path.isdir(folder):
+        return []
+    return [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if analysis.is_run_folder(os.path.join(folder, n))]
+
+
+def keep(study: str, run: str) -> str:
+    """Copy a finished run's logs into results/STUDY/RUN (see the module's choices); the
+    folder written. A ValueError says why a run cannot be kept."""
+    if study not in STUDIES:
+        raise ValueError(f"no study {study!r} (studies: {', '.join(STUDIES)})")
+    if not os.path.isfile(os.path.join(run, "done")):
+        raise ValueError(f"{run}: not finished (no `done`): only finished runs are kept")
+    cfg = analysis.read_config(run, quiet=True)
+    if not cfg.get("provenance"):
+        raise ValueError(f"{run}: its config.json records no provenance (a run of older code)")
+    name = os.path.basename(os.path.normpath(run))
+    others = {origin(analysis.read_config(r, quiet=True)) for r in kept_runs(study) if os.path.basename(r) != name}
+    if others and others != {origin(cfg)}:
+        raise ValueError(f"{run}: commit / dirty / toy model {origin(cfg)} differ from the study's runs {sorted(others)}")
+    dest = os.path.join(RESULTS, study, name)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
+    for f in KEPT:
+        src = os.path.join(run, f)
+        if os.path.getsize(src) > GZIP_OVER:
+            with open(src, "rb") as a, gzip.open(os.path.join(dest, f + ".gz"), "wb") as b:
+                shutil.copyfileobj(a, b)
+        else:
+            shutil.copy(src, dest)
+    open(os.path.join(dest, "done"), "w").close()
+    return dest
+
+
+# ----------------------------------------------------------------------------- the analysis
+
+def _mean_se(xs: list):
+    """(mean, standard error) of the values that are there; se None for fewer than 2."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, None
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
+def _adapter_move(run: dict, role: str):
+    """Mean displacement per training step of the adapter `role` trains."""
+    xs = [m["roles"][role]["displacement"] for m in run["metrics"]
+          if role in m.get("roles", {}) and m["roles"][role].get("displacement") is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _mechanism(run: dict, s: dict, key: str, role: str):
+    """One mechanism number of one run for a role: its adapter's displacement per step, its
+    gradient share, its length and parse-failure rate at the end (the last tenth / the last
+    evaluation), the damping's mean scale."""
+    m = s["mechanisms"]
+    if key == "displacement":
+        return _adapter_move(run, role)
+    if key == "share":
+        return m["grad_share"].get(role)
+    if key == "len":
+        return (m["len_drift"].get(role) or (None, None))[1]
+    if key == "parse_fail":
+        return (m.get("parse_fail_drift", {}).get(role) or (None, None))[1]
+    if key == "damp_scale":
+        return m.get("damp_scale", {}).get(role)
+    raise KeyError(key)
+
+
+def arms(study: str, folders: list | None = None) -> dict:
+    """{arm: [(run, summary)]} of a study's kept runs (or of `folders`), one run per seed."""
+    st = STUDIES[study]
+    out = {}
+    for folder in kept_runs(study) if folders is None else folders:
+        run = analysis.load_run(folder, quiet=True)
+        s = analysis.analyse_run(folder, run=run)
+        group = out.setdefault(st.arm(run["config"]), [])
+        if s["seed"] not in [x["seed"] for _, x in group]:
+            group.append((run, s))
+    return out
+
+
+def arm_row(st: Study, name: str, runs: list) -> dict:
+    """An arm's numbers: accuracy stats in points, cliffs, per role the mechanism means."""
+    row = {"arm": name, "seeds": sorted(s["seed"] for _, s in runs), "cliffs": sum(bool(s["cliff"]) for _, s in runs)}
+    for key in ("base_acc", "peak_acc", "final_acc"):
+        row[key] = _mean_se([100 * s[key] if s[key] is not None else None for _, s in runs])
+    row["drop"] = _mean_se([100 * (s["peak_acc"] - s["final_acc"]) for _, s in runs if s["final_acc"] is not None])
+    for key in st.mechanisms:
+        for role in st.roles:
+            row[f"{key}:{role}"] = _mean_se([_mechanism(run, s, key, role) for run, s in runs])[0]
+    return row
+
+
+def contrast(rows: dict, a: str, b: str):
+    """(D, E, n_a, n_b): final accuracy of arm a minus arm b, in points, with its standard error;
+    None when either arm lacks runs."""
+    if a not in rows or b not in rows:
+        return None
+    (ma, sa), (mb, sb) = rows[a]["final_acc"], rows[b]["final_acc"]
+    if ma is None or mb is None:
+        return None
+    e = math.sqrt(sa ** 2 + sb ** 2) if sa is not None and sb is not None else None
+    return ma - mb, e, len(rows[a]["seeds"]), len(rows[b]["seeds"])
+
+
+# ----------------------------------------------------------------------------- the page
+
+def _pm(ms, digits=1) -> str:
+    m, se = ms
+    if m is None:
+        return "-"
+    return f"{m:.{digits}f}" + (f" ± {se:.{digits}f}" if se is not None else "")
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def table(study: str, rows: dict) -> str:
+    """The study's arms as a Markdown table."""
+    st = STUDIES[study]
+    mech = [(k, r) for k in st.mechanisms for r in st.roles if any(row.get(f"{k}:{r}") is not None for row in rows.values())]
+    head = ["arm", "seeds", "base", "peak", "final", "peak - final", "cliffs"] + [f"{k} {r}" for k, r in mech]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in [a for a in st.order if a in rows] + sorted(set(rows) - set(st.order)):
+        row = rows[name]
+        cells = [name, ",".join(map(str, row["seeds"])), _pm(row["base_acc"]), _pm(row["peak_acc"]), _pm(row["final_acc"]),
+                 _pm(row["drop"]), f"{row['cliffs']}/{len(row['seeds'])}"] + [_num(row[f"{k}:{r}"]) for k, r in mech]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def contrast_lines(study: str, rows: dict) -> list:
+    out = []
+    for a, b in STUDIES[study].contrasts:
+        c = contrast(rows, a, b)
+        if c is None:
+            continue
+        d, e, na, nb = c
+        out.append(f"- final accuracy, {a} minus {b}: {d:+.1f} ± {'?' if e is None else f'{e:.1f}'} points "
+                   f"(mean ± standard error over seeds; {na} and {nb} seeds)")
+    return out
+
+
+def report_text(study: str) -> str:
+    """The study's block of docs/RESULTS.md, from its kept runs alone."""
+    st = STUDIES[study]
+    groups = arms(study)
+    if not groups:
+        return f"No runs kept yet (results/{study}/ is empty)."
+    rows = {name: arm_row(st, name, runs) for name, runs in groups.items()}
+    origins = sorted({origin(run["config"]) for runs in groups.values() for run, _ in runs}, key=str)
+    code = "; ".join(f"commit {(c or '?')[:7]}{' (dirty)' if d else ''} and toy model {(m or '?')[:12]}"
+                     for c, d, m in origins)
+    parts = [f"{sum(len(r) for r in groups.values())} runs in results/{study}/, from {code}. "
+             "Accuracy in %, mean ± standard error over seeds; mechanisms: means over seeds "
+             "(displacement: the adapter's move per training step; len: tokens in the last tenth "
+             "of training; parse_fail: at the last evaluation; share: of the step's gradient mass).",
+             "", table(study, rows), "", *contrast_lines(study, rows)]
+    return "\n".join(parts).rstrip()
+
+
+def write_block(study: str, text: str, page: str = PAGE) -> None:
+    """Replace the study's block in the page (between its markers), or append one."""
+    start, end = f"<!-- study {study} -->", f"<!-- end {study} -->"
+    body = open(page).read() if os.path.isfile(page) else ""
+    block = f"{start}\n{text}\n{end}"
+    if start in body:
+        body = body[:body.index(start)] + block + body[body.index(end) + len(end):]
+    else:
+        body = body.rstrip() + "\n\n" + block + "\n"
+    with open(page + ".tmp", "w") as f:
+        f.write(body)
+    os.replace(page + ".tmp", page)
+
+
+def read_block(study: str, page: str = PAGE) -> str | None:
+    body = open(page).read() if os.path.isfile(page) else ""
+    start, end = f"<!-- study {study} -->", f"<!-- end {study} -->"
+    if start not in body:
+        return None
+    return body[body.index(start) + len(start):body.index(end)].strip("\n")
+
+
+# ----------------------------------------------------------------------------- command line
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="studies.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    k = sub.add_parser("keep", help="copy finished runs' logs into results/STUDY/")
+    k.add_argument("study", choices=list(STUDIES))
+    k.add_argument("runs", nargs="+", help="run folders (unfinished ones are skipped with a line)")
+    r = sub.add_parser("report", help="print each study's table and contrasts, from results/ alone")
+    r.add_argument("studies", nargs="*", metavar="STUDY", help=f"of {', '.join(STUDIES)} (default: all)")
+    r.add_argument("--write", action="store_true", help="also rewrite their blocks in docs/RESULTS.md and figures")
+    args = p.parse_args(argv)
+    unknown = [x for x in getattr(args, "studies", []) if x not in STUDIES]
+    if unknown:
+        p.error(f"no study {unknown[0]!r} (studies: {', '.join(STUDIES)})")
+    if args.cmd == "keep":
+        for run in args.runs:
+            try:
+                print(f"kept {keep(args.study, run)}")
+            except (ValueError, OSError) as e:
+                print(f"skipped: {e}", file=sys.stderr)
+        return
+    for study in args.studies or list(STUDIES):
+        text = report_text(study)
+        print(f"## {study}\n\n{text}\n")
+        if args.write:
+            write_block(study, text)
+            figure = write_figure(study)
+            if figure:
+                print(f"figure: {figure}")
+
+
+def write_figure(study: str) -> str | None:
+    """docs/figures/study-STUDY.png: final accuracy per arm (each seed a dot, mean ± se)."""
+    groups = arms(study)
+    if not groups:
+        return None
+    import plots
+    st = STUDIES[study]
+    names = [a for a in st.order if a in groups] + sorted(set(groups) - set(st.order))
+    finals = {a: [100 * s["final_acc"] for _, s in groups[a] if s["final_acc"] is not None] for a in names}
+    peaks = {a: [100 * s["peak_acc"] for _, s in groups[a] if s["peak_acc"] is not None] for a in names}
+    os.makedirs(FIGURES, exist_ok=True)
+    return plots.plot_arms(st.title, names, {"final": finals, "peak": peaks},
+                           os.path.join(FIGURES, f"study-{study}.png"))
+
+
+if __name__ == "__main__":
+    main()

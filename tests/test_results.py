@@ -1,0 +1,77 @@
+"""Results as data (studies.py): keeping finished runs' logs under results/, one commit and one
+toy model per study, the arms' numbers and contrasts, and docs/RESULTS.md regenerated from
+results/ alone (a drift between the page and the logs fails here)."""
+import json
+import math
+import os
+
+import pytest
+
+import analysis
+import studies
+from test_analysis import _with_config, synthetic_run
+
+ORIGIN = {"commit": "a" * 40, "dirty": False, "model_sha256": "b" * 64, "torch": "2.13.0", "transformers": "5.24.0"}
+
+
+@pytest.mark.parametrize("study", list(studies.STUDIES))
+def test_the_results_page_is_what_the_kept_logs_give(study):
+    block = studies.read_block(study)
+    assert block is not None, f"docs/RESULTS.md has no block for {study}: python studies.py report {study} --write"
+    assert block == studies.report_text(study), f"docs/RESULTS.md drifted from results/{study}/: " \
+                                                f"python studies.py report {study} --write"
+
+
+def finished(tmp_path, name, seed, accs, **cfg):
+    folder = synthetic_run(tmp_path, "voting", "math", "isolated", seed=seed, lr=2e-3, accs=accs, steps=20,
+                           eval_every=10, name=name)
+    _with_config(folder, provenance=cfg.pop("provenance", ORIGIN), problems_per_step=16, group_size=8, **cfg)
+    open(os.path.join(folder, "done"), "w").close()
+    return folder
+
+
+def test_keep_copies_the_logs_compresses_big_ones_and_keeps_one_origin(tmp_path, monkeypatch):
+    monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
+    monkeypatch.setattr(studies, "GZIP_OVER", 2000)   # the synthetic metrics pass it, the eval log does not
+    runs = tmp_path / "runs"
+    a = finished(runs, "n8-s0", 0, [0.5, 0.6, 0.3], n_voters=8, mini_batch=128)
+    kept = studies.keep("amplification", a)
+    assert sorted(os.listdir(kept)) == ["config.json", "done", "eval.jsonl", "metrics.jsonl.gz"]
+    assert analysis.load_run(kept)["metrics"] == analysis.load_run(a)["metrics"]   # read back through gzip
+    other = finished(runs, "n8-s1", 1, [0.5, 0.6, 0.6], n_voters=8, provenance={**ORIGIN, "commit": "c" * 40})
+    with pytest.raises(ValueError, match="differ from the study's runs"):
+        studies.keep("amplification", other)
+    os.remove(os.path.join(a, "done"))
+    with pytest.raises(ValueError, match="not finished"):
+        studies.keep("amplification", a)
+
+
+def test_arms_contrasts_and_the_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
+    runs = tmp_path / "runs"
+    finals = {("N=8", 0): 0.30, ("N=8", 1): 0.40, ("N=1", 0): 0.50, ("N=1", 1): 0.56,
+              ("N=8, equal steps", 0): 0.45, ("N=8, equal steps", 1): 0.49}
+    for (arm, seed), final in finals.items():
+        n = int(arm.split(",")[0][2:])
+        extra = {"mini_batch": 1024} if "equal" in arm else {"mini_batch": 128}
+        folder = finished(runs, f"{arm}-{seed}".replace(" ", "").replace(",", "-").replace("=", ""), seed,
+                          [0.5, 0.6, final], n_voters=n, **extra)
+        studies.keep("amplification", folder)
+    text = studies.report_text("amplification")
+    d = (0.35 - 0.53) * 100
+    se = math.sqrt(5.0 ** 2 + 3.0 ** 2)   # 30, 40 and 50, 56: standard errors 5 and 3
+    line = next(x for x in text.splitlines() if x.startswith("- final accuracy, N=8 minus N=1"))
+    assert f"{d:+.1f} ± {se:.1f} points" in line and "2 and 2 seeds" in line
+    assert "| N=8, equal steps | 0,1 | 50.0 ± 0.0 | 60.0 ± 0.0 | 47.0 ± 2.0 | 13.0 ± 2.0 | 0/2 |" in text
+    assert text.index("| N=1 |") < text.index("| N=8 |") < text.index("| N=8, equal steps |")   # the study's order
+    assert "6 runs in results/amplification/, from commit aaaaaaa and toy model bbbbbbbbbbbb" in text
+
+
+def test_a_block_is_rewritten_in_place(tmp_path):
+    page = tmp_path / "RESULTS.md"
+    page.write_text("# Results\n\nintro\n\n<!-- study x -->\nold\n<!-- end x -->\n\nafter\n")
+    studies.write_block("x", "new\ntable", str(page))
+    assert page.read_text() == "# Results\n\nintro\n\n<!-- study x -->\nnew\ntable\n<!-- end x -->\n\nafter\n"
+    assert studies.read_block("x", str(page)) == "new\ntable"
+    studies.write_block("y", "more", str(page))
+    assert studies.read_block("y", str(page)) == "more" and studies.read_block("x", str(page)) == "new\ntable"
