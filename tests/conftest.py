@@ -5,7 +5,19 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+@pytest.fixture
+def registries(monkeypatch):
+    """The workflow and task-kind registries, restored after the test: what a test registers
+    leaves no trace in the tests after it."""
+    import taskkinds
+    import workflows
+    for name in ("WORKFLOWS", "ROLES", "SLOTS", "PARAMS", "ROLE_KINDS", "ROLE_INSTRUCTIONS"):
+        monkeypatch.setattr(workflows, name, dict(getattr(workflows, name)))
+    monkeypatch.setattr(taskkinds, "TASK_KINDS", dict(taskkinds.TASK_KINDS))
 
 
 def tiny_qwen3(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, seed=0, eos=(1, 2)):

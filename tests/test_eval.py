@@ -17,6 +17,7 @@ import torch
 import analysis
 import eval as ev
 import rewards
+import taskkinds
 import workflows
 from test_analysis import synthetic_run, write_run
 from workflows import Call, Episode
@@ -99,15 +100,15 @@ def test_pass_at_k_matches_closed_form():
 # ----------------------------------------------------------------------------- scripted episodes
 
 def _score_by_box(texts, problems, task):
-    """Stand-in for rewards.score: 1 when the last box equals the gold answer."""
+    """Stand-in for taskkinds.score: 1 when the last box equals the gold answer."""
     return [float(rewards.last_boxed(t) == p["answer"]) for t, p in zip(texts, problems)]
 
 
 @pytest.fixture
 def parsers(monkeypatch):
-    """rewards.score replaced by a box check (the real one may not exist yet, and runs code);
+    """taskkinds.score replaced by a box check (the real one runs code in a sandbox);
     the role-output parsers are workflows' own."""
-    monkeypatch.setattr(rewards, "score", _score_by_box, raising=False)
+    monkeypatch.setattr(taskkinds, "score", _score_by_box)
 
 
 def _call(role, slot, text, ids=None):
