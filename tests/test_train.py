@@ -173,7 +173,8 @@ def test_a_hub_download_that_fails_offline_names_the_local_path_to_pass(capsys, 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
     data = tmp_path / "local.jsonl"
     data.write_text('{"id": "a", "prompt": "1+1", "source": "x", "answer": "2"}\n')
-    line = run_failing(capsys, ["--scale", "0.6b", "--data", str(data), "--out", str(tmp_path / "r"), "--device", "cpu"])
+    line = run_failing(capsys, ["--scale", "0.6b", "--data", str(data), "--out", str(tmp_path / "r"), "--device", "cpu",
+                                "--steps", "2"])
     assert "Qwen/Qwen3-0.6B" in line and "--scale" in line and "local folder" in line
 
 
@@ -382,7 +383,8 @@ def test_messages_name_the_fix(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
     data = tmp_path / "local.jsonl"
     data.write_text('{"id": "a", "prompt": "1+1", "answer": "2"}\n')
-    line = run_failing(capsys, ["--scale", "0.6b", "--data", str(data), "--out", str(tmp_path / "r"), "--device", "cpu"])
+    line = run_failing(capsys, ["--scale", "0.6b", "--data", str(data), "--out", str(tmp_path / "r"), "--device", "cpu",
+                                "--steps", "2"])
     assert "hf download Qwen/Qwen3-0.6B" in line and "huggingface-cli" not in line
 
 
