@@ -244,7 +244,18 @@ def resolve_args(ap, args):
     args.out = args.out or os.path.join("runs", f"{args.workflow}-{args.task}-{args.sharing}-"
                                         f"{os.path.basename(os.path.normpath(args.scale))}-s{args.seed}")
     check_args(ap, args)
+    _advantage_notes(args)
     return args
+
+
+def _advantage_notes(args):
+    """One line each for the two settings that fix the advantages whatever the rewards."""
+    if args.temperature == 0 and args.group_size > 1:
+        print("note: --temperature 0 samples greedily, so the rollouts of a problem are identical and every "
+              "advantage is 0: no step changes the weights", file=sys.stderr)
+    if args.group_size == 1:
+        print("note: --group-size 1 leaves one rollout per (problem, slot) group, taken as mean 0 and std 1: "
+              "every advantage is the raw reward (A = R)", file=sys.stderr)
 
 
 def check_args(ap, args):

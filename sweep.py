@@ -420,7 +420,8 @@ def analyse(args, matrix):
     report = os.path.join(args.out, "report.md")
     folders = [os.path.join(args.out, n) for n, _ in matrix if os.path.isdir(os.path.join(args.out, n))]
     summaries = evaluation.analyse(folders, args.cliff_drop, args.cliff_window, report=report)
-    print(analysis.text_table(analysis.RUN_HEADERS, analysis.run_rows(summaries)))
+    # whole cell names: a name cut in the middle hides the sharing mode or an axis value
+    print(analysis.text_table(analysis.RUN_HEADERS, analysis.run_rows(summaries), width=None))
     print(f"report: {report}")
 
 

@@ -40,6 +40,16 @@ def test_cli_analysis_json_and_help(tmp_path):
     assert analysis.CLIFF_RULE in " ".join(analysis.__doc__.split())  # one sentence, the same in the docstring
 
 
+def test_a_closed_pipe_ends_the_analysis_quietly(tmp_path):
+    """`eval.py --runs RUN | head -2`: the reader has gone before the table is written."""
+    run = write_run(tmp_path, "r", [0.2, 0.4])
+    p = subprocess.Popen([sys.executable, "eval.py", "--runs", run, "--no-plots"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()   # no reader left: the first write fails with EPIPE
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141 and err == ""
+
+
 def test_terminal_tables_fit_120_columns(tmp_path, capsys):
     long = "a-very-long-run-folder-name-that-a-user-chose-for-this-orch-workers-experiment"
     folders = [synthetic_run(tmp_path, "orch_workers", "code", "isolated", name=long + "-1", steps=10),

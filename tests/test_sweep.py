@@ -4,6 +4,7 @@ seconds. The matrix and its input checks are tested by dry runs; skipping, faili
 resuming, Ctrl-C and a killed sweep by real runs of train.py children (most of the time goes
 to starting them: importing torch). CPU, offline, about a minute:
 `python -m pytest -q tests/test_sweep.py`."""
+import argparse
 import json
 import os
 import shlex
@@ -129,6 +130,15 @@ def test_an_axis_of_a_workflow_parameter_multiplies_only_that_workflows_cells(tm
     names = sorted(os.path.basename(flag(c, "--out")) for c in commands(capsys.readouterr().out))
     assert names == ["single-math-shared-toy-s0", "voting-math-shared-toy-n-voters1-s0",
                      "voting-math-shared-toy-n-voters5-s0"]
+
+
+def test_the_run_table_shows_whole_cell_names(tmp_path, capsys):
+    from test_analysis import write_run
+    name = "orch_workers-math-isolated-a-long-model-folder-name-lr3e-3-max-workers2-s0"
+    write_run(str(tmp_path), name, [0.2, 0.3], config={"workflow": "orch_workers"})
+    args = argparse.Namespace(out=str(tmp_path), cliff_drop=10.0, cliff_window=2)
+    sweep.analyse(args, [(name, [])])
+    assert name in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- running cells
