@@ -58,6 +58,7 @@ import os
 import sys
 from collections import defaultdict
 
+import taskkinds  # torch-free: the registry of task kinds
 import workflows  # torch-free: the registry of workflows, roles and role kinds
 
 CLIFF_DROP = 10.0      # percentage points below the peak
@@ -380,7 +381,7 @@ def _task_label(cfg: dict) -> str | None:
     task, data = cfg.get("task"), cfg.get("data")
     try:
         default = tasks.default_data(cfg.get("scale") or "toy", task)
-    except KeyError:
+    except ValueError:   # a task kind this checkout does not register
         default = None
     if data and data not in (task, default):
         return f"{task}:{os.path.basename(data)}"
@@ -515,13 +516,16 @@ DOSE_ARMS = "damping"   # the knob of the intervention-against-placebo runs: non
 
 
 def dose_value(s: dict, knob: str):
-    """A run's value of `knob`: a config key (n_voters, toy_check, eval_rounds, max_workers; a
-    null is the default, 3 voters, no check ...) or DOSE_ARMS."""
+    """A run's value of `knob`: a config key (a workflow parameter such as n_voters, eval_rounds,
+    max_workers, or toy_check; a null is the default: the parameter's, the task kind's evaluator
+    rounds, no check) or DOSE_ARMS."""
     cfg = s.get("config") or {}
     if knob == DOSE_ARMS:
         return "placebo" if cfg.get("damp_placebo") else "damp" if cfg.get("coherence_damp") else "none"
-    defaults = {"n_voters": 3, "toy_check": 0, "max_workers": 3,
-                "eval_rounds": workflows.EVAL_OPT_ROUNDS.get(cfg.get("task"), 3)}
+    kind = taskkinds.TASK_KINDS.get(cfg.get("task"))
+    defaults = {"toy_check": 0, **{dest: next(iter(owners.values())).default
+                                   for dest, owners in workflows.params_by_dest().items()}}
+    defaults["eval_rounds"] = kind.rounds if kind else 3
     v = cfg.get(knob)
     return defaults.get(knob) if v is None else v
 

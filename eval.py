@@ -18,7 +18,7 @@ Evaluate a base model or a checkpoint through a workflow on a test split:
   1 - C(n-c, k) / C(n, k) averaged over problems (n episodes, c correct), reported for
   k = 1, 2, 4, ... up to n.
 - Per-role quality where the task gives ground truth (every judged or candidate solution is
-  scored with rewards.score):
+  scored with taskkinds.score):
   * evaluator: a verdict "Correct" counts as a positive; precision = P(solution correct |
     said Correct), recall = P(said Correct | solution correct), over the evaluator calls that
     gave a verdict (workflows.parse_verdict without a fallback), each compared with the
@@ -54,6 +54,8 @@ import sys
 from collections import defaultdict
 
 import analysis   # the --runs mode: reading, summarising and reporting run folders
+import flags      # one-line errors as train.py's, and the workflows' parameter flags
+import taskkinds  # torch-free: the registry of task kinds
 import workflows  # torch-free: the registry of workflows, roles and role kinds
 
 
@@ -121,14 +123,13 @@ def _div(a, b):
 
 
 def _scorer(episodes: list, task: str, scored: dict):
-    """correct(ep, text) for every generator text, scored with rewards.score in one batch."""
-    import rewards
+    """correct(ep, text) for every generator text, scored with taskkinds.score in one batch."""
     scored = dict(scored)
     need = {(ep.problem_id, c.text): ep.problem for ep in episodes for c in ep.calls
             if c.role == "generator" and (ep.problem_id, c.text) not in scored}
     if need:
         keys = list(need)
-        rs = rewards.score([t for _, t in keys], [need[k] for k in keys], task)
+        rs = taskkinds.score([t for _, t in keys], [need[k] for k in keys], task)
         scored.update({k: float(r) for k, r in zip(keys, rs)})
     return lambda ep, text: scored.get((ep.problem_id, text), 0.0) > 0.5
 
@@ -243,7 +244,7 @@ def _orchestrator_quality(episodes: list, parse_strategies) -> dict | None:
 def role_quality(episodes: list, task: str, scored: dict | None = None) -> dict:
     """Per-role quality of a batch of workflows.Episode records against ground truth.
 
-    Every solution a role judged or chose from is scored with rewards.score (batched once);
+    Every solution a role judged or chose from is scored with taskkinds.score (batched once);
     `scored` maps (problem id, text) -> reward already known, to skip re-running code tests.
     Returns {"roles": {role: {"calls", "len_chars", "len_tokens", "code_block_rate",
     "fallbacks_per_call"}}, "evaluator": {...}, "aggregator": {...}, "orchestrator": {...},
@@ -275,7 +276,6 @@ def evaluate(llm, workflow: str, problems: list, task: str, samples: int = 1, ba
 
     Returns {"workflow", "task", "problems", "samples", "episodes", "pass@k": {k: mean over
     problems}, "quality": role_quality(...)}; "pass@1" is the mean per-problem fraction correct."""
-    import rewards
     import rollout
     from tqdm import tqdm
 
@@ -285,7 +285,7 @@ def evaluate(llm, workflow: str, problems: list, task: str, samples: int = 1, ba
     for i in range(0, len(problems), batch_size):
         chunk = problems[i:i + batch_size]
         eps = rollout.run_episodes(llm, workflow, chunk, samples, task, stream, **wf_params)
-        rs = rewards.score([e.final_text for e in eps], [e.problem for e in eps], task)
+        rs = taskkinds.score([e.final_text for e in eps], [e.problem for e in eps], task)
         for e, r in zip(eps, rs):
             e.reward = float(r)
         episodes += eps
@@ -392,10 +392,9 @@ def resolve_settings(args) -> tuple:
     # scoring a run on its own evaluation set: the same subset, so the number compares with eval.jsonl
     st["problems"] = args.problems or (cfg.get("eval_problems") if run_data and st["data"] == run_data else None)
     st.update(_draws(args, cfg, checkpoint))
-    # the workflow's own settings of the run (--n-voters, --eval-rounds, --max-workers, --toy-check)
-    from flags import WORKFLOW_PARAMS
-    st["params"] = {kw: cfg[dest] for dest, (wf, kw, _) in WORKFLOW_PARAMS.items()
-                    if cfg.get(dest) is not None and wf == st["workflow"]}
+    if not st["data"]:
+        raise ValueError(f"--task {st['task']} has no default data set at this scale; pass --data")
+    st["params"] = _workflow_params(args, cfg, st["workflow"])
     st["toy_check"] = cfg.get("toy_check") or 0
     default_new, default_prompt, default_embed = tasks.length_limits(st["scale"], st["task"])
     st["max_new_tokens"] = st["max_new_tokens"] or default_new
@@ -405,6 +404,18 @@ def resolve_settings(args) -> tuple:
     if taken:
         notes.append(f"from {os.path.join(run_dir, 'config.json')}: " + ", ".join(f"{k} {st[k]}" for k in taken))
     return st, notes
+
+
+def _workflow_params(args, cfg: dict, workflow: str) -> dict:
+    """The workflow's keyword arguments: each parameter's flag, else the checkpoint run's value
+    when it ran the same workflow (flags.add_workflow_flags), checked as train.py checks them."""
+    saved = cfg if cfg.get("workflow") == workflow else {}
+    values = {dest: getattr(args, dest) if getattr(args, dest) is not None else saved.get(dest)
+              for dest in workflows.params_by_dest()}
+    error = flags.workflow_param_error(workflow, values)
+    if error:
+        raise ValueError(error)
+    return {p.name: values[p.dest] for p in workflows.PARAMS[workflow] if values[p.dest] is not None}
 
 
 def _draws(args, cfg: dict, checkpoint) -> dict:
@@ -483,11 +494,13 @@ def _evaluate_cli(args):
     import torch
 
     import tasks
+    import toy
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         st, notes = resolve_settings(args)
         if st["scale"] == "toy":
             tasks.check_toy_data("--data", st["data"])
+            toy.check_roles(st["workflow"], workflows.ROLES[st["workflow"]])
         # the run's evaluation set is a fixed subset (seed 0, as train.py draws it)
         problems, note = load_problems(st["data"], st["task"], st["problems"], 0)
         llm = _llm_from_settings(args, st, st["task"])
@@ -612,8 +625,8 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _parser():
-    from flags import Parser   # one-line errors, as train.py's
-    p = Parser(
+    import tasks
+    p = flags.Parser(
         prog="eval.py", description="Evaluate a workflow (--workflow/--task/--scale, or --checkpoint) or analyse run folders (--runs).",
         epilog=f"Terminal cliff: {analysis.CLIFF_RULE}. Both --runs and --report write PNG plots (acc.png, grad.png, "
                "length.png into each run folder; with --report also the map and per-cell figures next to the "
@@ -639,12 +652,13 @@ def _parser():
     e.add_argument("--checkpoint", default=None, help="a run folder (its ckpt-best, else ckpt-last) or RUN/ckpt-N; "
                    "unset evaluates the base model")
     e.add_argument("--workflow", choices=sorted(workflows.WORKFLOWS), help="workflow to evaluate")
-    e.add_argument("--task", choices=workflows.TASKS, help="task kind (default: the checkpoint run's, else math)")
-    e.add_argument("--data", default=None, help="data set name or .jsonl file (tasks.py); unset: the run's "
-                   "--eval-data or --data, else toy_TASK at --scale toy, dapo_math / deepcoder otherwise")
+    e.add_argument("--task", choices=list(taskkinds.TASK_KINDS), help="task kind (default: the checkpoint run's, else math)")
+    e.add_argument("--data", default=None, help=f"data set ({', '.join(tasks.DATA_SETS)}) or .jsonl file; unset: the "
+                   "run's --eval-data or --data, else the task kind's (toy_TASK at --scale toy, dapo_math / deepcoder otherwise)")
     e.add_argument("--scale", default=None, help="toy, 0.6b, 1.7b, 4b, or a local model folder (default: toy)")
     e.add_argument("--sharing", default=None, choices=["shared", "isolated"], help="adapter sharing (default: shared)")
     e.add_argument("--isolation", default=None, choices=["lora", "full"], help="what a role's weights are (default: lora)")
+    flags.add_workflow_flags(e)   # unset: the checkpoint run's, else the workflow's default
     e.add_argument("--samples", type=int, default=1, help="episodes per problem; > 1 adds unbiased pass@k")
     e.add_argument("--problems", type=int, default=None, help="test problems to draw (capped at the split's size); "
                    "unset: the run's evaluation set, else the whole test split")
@@ -683,4 +697,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BrokenPipeError:   # the reader closed the pipe (`| head`): stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so the exit's flush fails silently
+        sys.exit(141)

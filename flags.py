@@ -62,12 +62,14 @@ def build_parser(description=None):
 
 
 def _what_flags(g):
-    import workflows  # torch-free: the registry gives the workflow choices
+    import tasks
+    import taskkinds
+    import workflows  # torch-free: the registries give the workflow and task choices
     g.add_argument("--workflow", default="voting", choices=sorted(workflows.WORKFLOWS),
                     help="multi-agent workflow (single = one-call control) (default: %(default)s)")
-    g.add_argument("--task", default="math", choices=workflows.TASKS, help="task kind (default: %(default)s)")
-    g.add_argument("--data", default=None, help="data set name (tasks.py) or a .jsonl file "
-                   "(default: toy_math/toy_code at --scale toy, dapo_math/deepcoder otherwise)")
+    g.add_argument("--task", default="math", choices=list(taskkinds.TASK_KINDS), help="task kind (default: %(default)s)")
+    g.add_argument("--data", default=None, help=f"data set ({', '.join(tasks.DATA_SETS)}) or a .jsonl file of "
+                   "records (default: the task kind's, toy_math / toy_code at --scale toy, dapo_math / deepcoder otherwise)")
     g.add_argument("--eval-data", default=None, help="held-out data set or .jsonl file "
                    "(default: the test split of --data; a .jsonl --data has none, so pass one)")
     g.add_argument("--scale", default="toy", help="toy, 0.6b, 1.7b, 4b, or a local model folder (default: %(default)s)")
@@ -75,26 +77,34 @@ def _what_flags(g):
                     help="shared: one set of trainable weights for all roles; isolated: one per role (default: %(default)s)")
     g.add_argument("--isolation", default="lora", choices=["lora", "full"],
                     help="what a role's weights are: a LoRA adapter, or a full copy of the model (default: %(default)s)")
-    g.add_argument("--n-voters", type=int, default=None, help="voting: generators that answer the same prompt, "
-                   "1-9 (default: 3, the paper's)")
-    g.add_argument("--eval-rounds", type=int, default=None, help="eval_opt: most evaluator rounds, 0-9 (default: 3 "
-                   "for math, 2 for code, the paper's)")
-    g.add_argument("--max-workers", type=int, default=None, help="orch_workers: most strategies, so workers, an "
-                   "episode runs, 1-9 (default: 3, the paper's)")
+    add_workflow_flags(g)
     g.add_argument("--toy-check", type=int, default=None, help="toy world only: the supervisors (aggregator, "
                    "evaluator) write a check of this many tokens before their verdict, learned in the warm start "
                    "(a knob of their share of each step's gradient) (default: 0)")
 
 
+def add_workflow_flags(g):
+    """One flag per workflow parameter (workflows.PARAMS), unset meaning the workflow's default;
+    train.py's and eval.py's parsers both take them, and config.json keeps each as its dest."""
+    import workflows
+    for dest, owners in workflows.params_by_dest().items():
+        p = next(iter(owners.values()))
+        default = f" (default: {p.default})" if p.default is not None else ""
+        g.add_argument(f"--{p.flag}", dest=dest, type=p.type, default=None,
+                       help=f"{', '.join(owners)}: {p.help}, {p.range[0]}-{p.range[1]}{default}")
+
+
 def _rollout_flags(g):
+    import taskkinds
     import tasks
     import toy
     g.add_argument("--problems-per-step", type=int, default=None, help="problems per training step" + scale_default("problems_per_step"))
     g.add_argument("--group-size", type=int, default=None, help="rollouts per problem (G)" + scale_default("group_size"))
     g.add_argument("--temperature", type=float, default=0.7, help="sampling temperature, training and evaluation (default: %(default)s)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    limits = {name: kind.max_new_tokens for name, kind in taskkinds.TASK_KINDS.items()}
     g.add_argument("--max-new-tokens", type=int, default=None, help="completion limit per call, at least 1 (default: "
-                   "%d at --scale toy, the paper's %s otherwise)" % (toy.MAX_NEW_TOKENS, _per_task(tasks.MAX_NEW_TOKENS)))
+                   "%d at --scale toy, the task kind's otherwise: %s)" % (toy.MAX_NEW_TOKENS, _per_task(limits)))
     g.add_argument("--max-prompt-tokens", type=int, default=None, help="hard prompt limit per call, 0 for none: a "
                    "longer prompt keeps its end, losing the instruction and problem first, so it is a last resort "
                    "(default: %d at --scale toy, none otherwise: --max-embed-tokens bounds the long prompts)"
@@ -227,6 +237,9 @@ def resolve_args(ap, args):
     args.max_prompt_tokens = default_prompt if args.max_prompt_tokens is None else args.max_prompt_tokens or None
     args.max_embed_tokens = default_embed if args.max_embed_tokens is None else args.max_embed_tokens or None
     args.data = args.data or tasks.default_data(args.scale, args.task)
+    if args.data is None:
+        ap.error(f"--task {args.task} has no default data set {'in the toy world' if args.scale == 'toy' else 'at real scales'}; "
+                 f"pass --data (a data set or a .jsonl file of {args.task} records)")
     args.mini_batch = args.problems_per_step * args.group_size if args.mini_batch is None else args.mini_batch
     roles = workflows.ROLES[args.workflow]
     args.kl_coef_role = _pairs(ap, args.kl_coef_role, "--kl-coef-role", roles, args.workflow)
@@ -235,13 +248,26 @@ def resolve_args(ap, args):
     args.out = args.out or os.path.join("runs", f"{args.workflow}-{args.task}-{args.sharing}-"
                                         f"{os.path.basename(os.path.normpath(args.scale))}-s{args.seed}")
     check_args(ap, args)
+    _advantage_notes(args)
     return args
+
+
+def _advantage_notes(args):
+    """One line each for the two settings that fix the advantages whatever the rewards."""
+    if args.temperature == 0 and args.group_size > 1:
+        print("note: --temperature 0 samples greedily, so the rollouts of a problem are identical and every "
+              "advantage is 0: no step changes the weights", file=sys.stderr)
+    if args.group_size == 1:
+        print("note: --group-size 1 leaves one rollout per (problem, slot) group, taken as mean 0 and std 1: "
+              "every advantage is the raw reward (A = R)", file=sys.stderr)
 
 
 def check_args(ap, args):
     """Every invariant of the resolved flags, each refused in one line before anything loads."""
     import policies
     import tasks
+    import toy
+    import workflows
     for name in ("problems_per_step", "group_size", "steps", "mini_batch", "max_new_tokens", "token_budget",
                  "coherence_window", "lora_rank"):
         if getattr(args, name) < 1:
@@ -283,6 +309,7 @@ def check_args(ap, args):
         try:
             tasks.check_toy_data("--data", args.data)
             tasks.check_toy_data("--eval-data", args.eval_data)
+            toy.check_roles(args.workflow, workflows.ROLES[args.workflow])
         except ValueError as e:
             ap.error(str(e))
     try:
@@ -293,26 +320,32 @@ def check_args(ap, args):
         ap.error(f"run folder {args.out} exists; pass --resume {args.out} to continue it or --out to start anew")
 
 
-# workflow parameters a flag sets: flag dest -> (workflow, the workflow function's keyword, its range)
-WORKFLOW_PARAMS = {"n_voters": ("voting", "n_voters", (1, 9)), "eval_rounds": ("eval_opt", "max_rounds", (0, 9)),
-                   "max_workers": ("orch_workers", "max_strategies", (1, 9))}
-
-
 def workflow_params(args) -> dict:
-    """The keyword arguments of the workflow function that the flags set (workflows.run_workflow)."""
-    return {kw: getattr(args, dest) for dest, (_, kw, _) in WORKFLOW_PARAMS.items()
-            if getattr(args, dest, None) is not None}
+    """The keyword arguments of args.workflow's function that its flags set (workflows.run_workflow)."""
+    import workflows
+    return {p.name: getattr(args, p.dest) for p in workflows.PARAMS[args.workflow]
+            if getattr(args, p.dest, None) is not None}
+
+
+def workflow_param_error(workflow: str, values: dict) -> str | None:
+    """Why {config key: value} cannot be settings of `workflow` (a parameter of another
+    workflow, a value out of range), or None; unset values are None."""
+    import workflows
+    for dest, owners in workflows.params_by_dest().items():
+        value, p = values.get(dest), owners.get(workflow)
+        if value is None:
+            continue
+        if p is None:
+            return f"--{next(iter(owners.values())).flag} is a setting of {', '.join(owners)}; --workflow is {workflow}"
+        if not p.range[0] <= value <= p.range[1]:
+            return f"--{p.flag} must be in {p.range[0]}..{p.range[1]}"
+    return None
 
 
 def _check_workflow_params(ap, args):
-    for dest, (workflow, _, (lo, hi)) in WORKFLOW_PARAMS.items():
-        value, flag = getattr(args, dest), "--" + dest.replace("_", "-")
-        if value is None:
-            continue
-        if args.workflow != workflow:
-            ap.error(f"{flag} is a setting of {workflow}; --workflow is {args.workflow}")
-        if not lo <= value <= hi:
-            ap.error(f"{flag} must be in {lo}..{hi}")
+    error = workflow_param_error(args.workflow, vars(args))
+    if error:
+        ap.error(error)
     if args.toy_check is not None:
         if args.scale != "toy":
             ap.error("--toy-check is a setting of the toy world (--scale toy)")

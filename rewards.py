@@ -9,8 +9,9 @@ Public API (all rewards are 1.0 or 0.0)
     last_code_block(text) -> str | None     the last ```python (or untagged) fenced block
     math_reward(text, gold) -> float
     code_reward(text, tests, *, timeout=None, memory_mb=4096) -> float
-    score(texts, problems, task, *, timeout=None, memory_mb=4096) -> list[float]
-        the batch entry point training calls once per step ("math" or "code")
+    needs_sympy(answer, gold) -> bool       whether checking a pair may need sympy (a cheap guess)
+The batch entry point training calls, taskkinds.score, grades each task kind with its reward;
+math and code are registered there with math_reward and code_reward.
 
 Math
     The last box of `text` is compared with `gold` (a GSM8K-style "... #### 18" gold is
@@ -49,9 +50,7 @@ Code
 
 Run: `python -m pytest tests/test_rewards.py` (code tests need Linux); `python bench/rewards.py`.
 """
-import concurrent.futures
 import functools
-import json
 import os
 import re
 from fractions import Fraction
@@ -481,7 +480,7 @@ def _sympy_request(req) -> dict:
 
 
 # ----------------------------------------------------------------------------------------
-# Code, and the batch entry point
+# Code
 # ----------------------------------------------------------------------------------------
 
 
@@ -496,38 +495,7 @@ def _code_verdict(program: str | None, tests: dict, timeout: float | None, memor
     return 1.0 if sandbox.run_program(program, tests, timeout=timeout, memory_mb=memory_mb)["passed"] is True else 0.0
 
 
-def score(texts: list, problems: list, task: str, *, timeout: float | None = None,
-          memory_mb: int = 4096) -> list[float]:
-    """Rewards of a batch: texts[i] graded against problems[i] ('answer' for math, 'tests'
-    for code). Identical (answer, gold) or (program, tests) pairs are checked once; code runs
-    on one sandbox worker per core in parallel; math runs in this process, sympy checks in
-    helper processes."""
-    if len(texts) != len(problems):
-        raise ValueError(f"score: {len(texts)} texts for {len(problems)} problems")
-    if task == "math":
-        keys = [(last_boxed(t), p.get("answer")) for t, p in zip(texts, problems)]
-
-        def check(key):
-            return _math_verdict(*key)
-    elif task == "code":
-        keys = [(last_code_block(t), json.dumps(p.get("tests"), sort_keys=True)) for t, p in zip(texts, problems)]
-
-        def check(key):
-            return _code_verdict(key[0], json.loads(key[1]), timeout, memory_mb)
-    else:
-        raise ValueError(f"score: unknown task {task!r} (expected 'math' or 'code')")
-    unique = list(dict.fromkeys(keys))
-    if task == "math" and not any(k[0] is not None and _needs_sympy(*k) for k in unique):
-        results = [check(k) for k in unique]  # all fast paths: threads would only add overhead
-    else:
-        workers = sandbox.helper_count("sandbox" if task == "code" else "sympy")
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
-            results = list(ex.map(check, unique))
-    verdict = dict(zip(unique, results))
-    return [verdict[k] for k in keys]
-
-
-def _needs_sympy(box: str, gold) -> bool:
+def needs_sympy(box: str, gold) -> bool:
     """Cheap guess whether checking this pair may need sympy (only decides threading)."""
     if not isinstance(gold, str):
         return False

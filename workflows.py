@@ -14,7 +14,7 @@ episode makes no call), and every returned `Call` is appended to its episode in 
 Exact choices:
 - Voting: `n_voters=3`; the aggregator answers `\\boxed{k}` (1-based). Fallbacks: the first lone
   digit 1-9 in its text that is a valid index, else 1.
-- Eval-Opt: `max_rounds=None` means 3 evaluator rounds for math, 2 for code. The evaluator
+- Eval-Opt: `max_rounds=None` means the task kind's rounds: 3 for math, 2 for code. The evaluator
   sees the problem and every attempt and feedback so far; `\\boxed{Correct}` (any case) stops
   the episode; `\\boxed{Incorrect}` or no verdict (a fallback) asks the generator for a new
   solution, shown the problem, all its attempts and all feedback. All Incorrect with 3 rounds
@@ -25,10 +25,12 @@ Exact choices:
   every worker solution and writes the final answer itself.
 - Every fallback taken adds 1 to `episode.fallbacks[role]`; a role whose output is parsed gets
   the key even at 0, so fallbacks / calls is that role's unparsable-output rate.
-- Prompts: a system message holding one instruction and a user message. Every fixed string
-  is a module constant listed in PHRASES, and a user message is only PHRASES entries and
-  variable text (problem, solutions, feedback, strategy) joined by "\\n". So a tokenizer that
-  knows PHRASES as whole tokens (the toy one) spends one token per fixed string. The
+- Prompts: a system message holding one instruction and a user message. The instruction of a
+  role on a task is the task kind's (taskkinds.py; math and code have one per role) unless the
+  workflow registered its own (`instruction`); the user message is only USER_PHRASES and
+  variable text (problem, solutions, feedback, strategy) joined by "\\n". `phrases()` lists
+  every fixed string, so a tokenizer that knows them as whole tokens (the toy one) spends one
+  token per fixed string. The
   orchestrator's instruction asks for "up to 3" strategies (the paper's value);
   `max_strategies` is the parser's cap. The code problem's text already carries its starter
   code or stdin/stdout format, so code prompts add nothing to it.
@@ -42,15 +44,17 @@ No torch here: `llm` is any callable with the contract below (rollout.py builds 
 tests use a scripted fake). Run: `run_workflow("voting", episodes, llm, "math")`; tests:
 `python -m pytest -q tests/test_workflows.py`.
 
-A new workflow is one `register(name, fn, roles, slots, kinds=..., instructions=...)` call:
-train.py's and eval.py's `--workflow` choices, sweep.py's cells and eval.py's role groups and
-colours all read the registry (README, "Adding a workflow", lists what cannot be derived).
+A new workflow is one `register(name, fn, roles, slots, kinds=..., instructions=..., params=...)`
+call: train.py's and eval.py's `--workflow` choices and parameter flags, sweep.py's cells and
+axes, and eval.py's role groups and colours all read the registry, and run_workflow checks each
+call's role and slot against it (README, "Adding a workflow", lists what cannot be derived).
 """
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+import taskkinds
 from rewards import last_boxed
 
 
@@ -83,21 +87,43 @@ class Episode:
         return str(self.problem["id"])
 
 
+@dataclass(frozen=True)
+class Param:
+    """A setting of a workflow: the keyword `name` of its function, an int, float or str within
+    `range` (both ends allowed), set by train.py's and eval.py's flag --FLAG (FLAG: the keyword
+    with dashes unless given; config.json keeps it as `dest`) and swept by sweep.py's --axis
+    FLAG=V1,V2. `default` is the function's, shown in --help (None: the help says what unset means)."""
+    name: str
+    type: type
+    default: object
+    range: tuple
+    help: str
+    flag: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "flag", self.flag or self.name.replace("_", "-"))
+
+    @property
+    def dest(self) -> str:
+        return self.flag.replace("-", "_")
+
+
 # llm(role, slots, messages_list, keys=None) -> one Call per (slot, messages), in order, text
 # filled in; keys[i] names row i (see `stage`), so that its random draws depend on it alone.
 LLM = Callable[..., list]
 
-
-TASKS = ("math", "code")
 
 # The registry, filled by `register` at the end of this file: a fork adds a workflow with one
 # `register(...)` call, and train.py, eval.py and sweep.py read their choices from here.
 WORKFLOWS: dict[str, Callable] = {}
 # Role types of each workflow: under `isolated` sharing each role type owns one adapter.
 ROLES: dict[str, tuple[str, ...]] = {}
-# Slots (positions in the workflow) with default parameters; GRPO groups samples by
-# (problem, slot). Voting with n_voters=n uses generator0..generator{n-1}.
-SLOTS: dict[str, tuple[str, ...]] = {}
+# Slots (positions in the workflow), as a function of its parameters' values (slots_of): GRPO
+# groups samples by (problem, slot), read from each call, and run_workflow checks every call's
+# slot against these. Voting with n_voters=n uses generator0..generator{n-1}.
+SLOTS: dict[str, Callable[..., tuple]] = {}
+# Parameters of each workflow (Param), the keywords of its function that flags set.
+PARAMS: dict[str, tuple] = {}
 # What each role type does, for the analysis (eval.py): "solution" roles write a solution
 # that can be graded, "supervisory" roles judge or choose among solutions others wrote (the
 # paper's evaluator and aggregator), "planning" roles direct others without solving (the
@@ -107,10 +133,9 @@ ROLE_KINDS: dict[str, str] = {"generator": "solution", "worker": "solution", "sy
                               "aggregator": "supervisory", "evaluator": "supervisory",
                               "orchestrator": "planning"}
 KINDS = ("solution", "supervisory", "planning")
-EVAL_OPT_ROUNDS = {"math": 3, "code": 2}   # evaluator rounds when max_rounds is None
 
 # ---------------------------------------------------------------------------------------
-# Fixed prompt text. Nothing else fixed may appear in a prompt: see PHRASES below.
+# Fixed prompt text. Nothing else fixed may appear in a prompt: see phrases() below.
 
 # headers that introduce variable text in a user message
 PROBLEM = "Problem:"
@@ -122,56 +147,30 @@ STRATEGY = "Strategy:"
 SOLUTION_HEADERS = tuple(f"Solution {k}:" for k in range(1, 10))
 # the worker's strategy when the orchestrator gave no parsable one
 DIRECT_STRATEGY = "Solve the problem directly."
+# every fixed string a user message may hold
+USER_PHRASES = (PROBLEM, ATTEMPT, FEEDBACK, STRATEGY, *SOLUTION_HEADERS, DIRECT_STRATEGY)
 
-# system instructions, one per (role, task)
-GENERATOR_MATH = "Solve the math problem step by step. Put the final answer in \\boxed{}."
-GENERATOR_CODE = "Solve the programming problem in Python. Give your code in one ```python block."
-REVISE_MATH = ("Your last attempt was judged wrong. Use the feedback to write a new full "
-               "solution, with the final answer in \\boxed{}.")
-REVISE_CODE = ("Your last attempt was judged wrong. Use the feedback to write new, corrected "
-               "code in one ```python block.")
-AGGREGATOR_MATH = ("Compare the numbered solutions and pick the one most likely correct. "
-                   "Reply with its number as \\boxed{k}.")
-AGGREGATOR_CODE = ("Compare the numbered solutions and pick the code most likely to pass all "
-                   "tests. Reply with its number as \\boxed{k}.")
-EVALUATOR_MATH = ("Check the last attempt. Give a short reason without revealing the answer, "
-                  "then \\boxed{Correct} or \\boxed{Incorrect}.")
-EVALUATOR_CODE = ("Check the code of the last attempt. Give a short reason without writing "
-                  "code, then \\boxed{Correct} or \\boxed{Incorrect}.")
-ORCHESTRATOR_MATH = ("Do not solve the problem. List up to 3 different strategies for it, one "
-                     "per line, as STRATEGY k: <strategy>.")
-ORCHESTRATOR_CODE = ("Do not write code. List up to 3 different strategies for the problem, one "
-                     "per line, as STRATEGY k: <strategy>.")
-WORKER_MATH = "Solve the math problem by following the given strategy. Put the final answer in \\boxed{}."
-WORKER_CODE = ("Solve the programming problem by following the given strategy. Give your code "
-               "in one ```python block.")
-SYNTHESIZER_MATH = ("Read the candidate solutions, then write your own full solution. Put the "
-                    "final answer in \\boxed{}.")
-SYNTHESIZER_CODE = ("Read the candidate solutions, then write your own correct code. Give it in "
-                    "one ```python block.")
-
-INSTRUCTIONS = {
-    ("generator", "math"): GENERATOR_MATH, ("generator", "code"): GENERATOR_CODE,
-    ("aggregator", "math"): AGGREGATOR_MATH, ("aggregator", "code"): AGGREGATOR_CODE,
-    ("evaluator", "math"): EVALUATOR_MATH, ("evaluator", "code"): EVALUATOR_CODE,
-    ("orchestrator", "math"): ORCHESTRATOR_MATH, ("orchestrator", "code"): ORCHESTRATOR_CODE,
-    ("worker", "math"): WORKER_MATH, ("worker", "code"): WORKER_CODE,
-    ("synthesizer", "math"): SYNTHESIZER_MATH, ("synthesizer", "code"): SYNTHESIZER_CODE,
-}
-# the generator's instruction on an Eval-Opt revision turn (same role, same adapter)
-REVISE_INSTRUCTIONS = {"math": REVISE_MATH, "code": REVISE_CODE}
-
-# Every fixed string any prompt contains. The toy tokenizer makes each one token, so none
-# may contain another or a newline (tests check both).
-PHRASES: tuple[str, ...] = (
-    PROBLEM, ATTEMPT, FEEDBACK, STRATEGY, *SOLUTION_HEADERS, DIRECT_STRATEGY,
-    *INSTRUCTIONS.values(), *REVISE_INSTRUCTIONS.values(),
-)
+# Each role's system instruction on each task comes from the task kind (taskkinds.py): the
+# instructions it names, else its default; a workflow may register instructions of its own
+# for a role on a task (ROLE_INSTRUCTIONS), and those come first.
+ROLE_INSTRUCTIONS: dict[tuple[str, str], str] = {}
 
 
-def _check_task(task: str) -> None:
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
+def instruction(role: str, task: str) -> str:
+    """The system instruction of `role` on `task`."""
+    return ROLE_INSTRUCTIONS.get((role, task)) or taskkinds.get(task).instruction(role)
+
+
+def phrases() -> tuple[str, ...]:
+    """Every fixed string any prompt contains, each once: USER_PHRASES, then the task
+    kinds' instructions role by role (each role's for every kind in turn), their revision
+    turns' and defaults, then the workflows' own. The toy tokenizer makes each one token, so
+    none may contain another or a newline (tests check both), and a new one is a new toy model."""
+    kinds = list(taskkinds.TASK_KINDS.values())
+    roles = dict.fromkeys(role for k in kinds for role in k.instructions)
+    told = [k.instructions[role] for role in roles for k in kinds if role in k.instructions]
+    own = [*(k.revision() for k in kinds), *(k.default for k in kinds), *ROLE_INSTRUCTIONS.values()]
+    return tuple(dict.fromkeys((*USER_PHRASES, *told, *own)))
 
 
 def _messages(system: str, *parts: str) -> list[dict]:
@@ -201,36 +200,36 @@ def _conversation(history: list[str]) -> list[str]:
 
 def generator_messages(problem: dict, task: str, history: list[str] = ()) -> list[dict]:
     """First answer (empty history), or an Eval-Opt revision given every attempt and feedback."""
-    _check_task(task)
+    taskkinds.get(task)
     if not history:
-        return _messages(INSTRUCTIONS["generator", task], PROBLEM, problem["prompt"])
-    return _messages(REVISE_INSTRUCTIONS[task], PROBLEM, problem["prompt"], *_conversation(history))
+        return _messages(instruction("generator", task), PROBLEM, problem["prompt"])
+    return _messages(taskkinds.get(task).revision(), PROBLEM, problem["prompt"], *_conversation(history))
 
 
 def aggregator_messages(problem: dict, task: str, solutions: list[str]) -> list[dict]:
-    _check_task(task)
-    return _messages(INSTRUCTIONS["aggregator", task], PROBLEM, problem["prompt"], *_numbered(solutions))
+    taskkinds.get(task)
+    return _messages(instruction("aggregator", task), PROBLEM, problem["prompt"], *_numbered(solutions))
 
 
 def evaluator_messages(problem: dict, task: str, history: list[str]) -> list[dict]:
     """history ends with the attempt to judge."""
-    _check_task(task)
-    return _messages(INSTRUCTIONS["evaluator", task], PROBLEM, problem["prompt"], *_conversation(history))
+    taskkinds.get(task)
+    return _messages(instruction("evaluator", task), PROBLEM, problem["prompt"], *_conversation(history))
 
 
 def orchestrator_messages(problem: dict, task: str) -> list[dict]:
-    _check_task(task)
-    return _messages(INSTRUCTIONS["orchestrator", task], PROBLEM, problem["prompt"])
+    taskkinds.get(task)
+    return _messages(instruction("orchestrator", task), PROBLEM, problem["prompt"])
 
 
 def worker_messages(problem: dict, task: str, strategy: str) -> list[dict]:
-    _check_task(task)
-    return _messages(INSTRUCTIONS["worker", task], PROBLEM, problem["prompt"], STRATEGY, strategy)
+    taskkinds.get(task)
+    return _messages(instruction("worker", task), PROBLEM, problem["prompt"], STRATEGY, strategy)
 
 
 def synthesizer_messages(problem: dict, task: str, solutions: list[str]) -> list[dict]:
-    _check_task(task)
-    return _messages(INSTRUCTIONS["synthesizer", task], PROBLEM, problem["prompt"], *_numbered(solutions))
+    taskkinds.get(task)
+    return _messages(instruction("synthesizer", task), PROBLEM, problem["prompt"], *_numbered(solutions))
 
 
 # ---------------------------------------------------------------------------------------
@@ -317,7 +316,7 @@ def _clipper(llm: LLM) -> Callable[[str], str]:
 
 
 def single(episodes: list[Episode], llm: LLM, task: str) -> None:
-    _check_task(task)
+    taskkinds.get(task)
     calls = stage(llm, "generator", ["generator"] * len(episodes),
                   [generator_messages(ep.problem, task) for ep in episodes], episodes)
     for ep, call in zip(episodes, calls):
@@ -326,7 +325,7 @@ def single(episodes: list[Episode], llm: LLM, task: str) -> None:
 
 
 def voting(episodes: list[Episode], llm: LLM, task: str, n_voters: int = 3) -> None:
-    _check_task(task)
+    taskkinds.get(task)
     if not 1 <= n_voters <= len(SOLUTION_HEADERS):
         raise ValueError(f"n_voters must be in 1..{len(SOLUTION_HEADERS)}, got {n_voters}")
     voters = [f"generator{i}" for i in range(n_voters)]
@@ -349,8 +348,8 @@ def voting(episodes: list[Episode], llm: LLM, task: str, n_voters: int = 3) -> N
 
 
 def eval_opt(episodes: list[Episode], llm: LLM, task: str, max_rounds: int | None = None) -> None:
-    _check_task(task)
-    rounds = EVAL_OPT_ROUNDS[task] if max_rounds is None else max_rounds
+    taskkinds.get(task)
+    rounds = taskkinds.get(task).rounds if max_rounds is None else max_rounds
     if rounds < 0:
         raise ValueError(f"max_rounds must be >= 0, got {max_rounds}")
     history = [[] for _ in episodes]      # per episode: attempt, feedback, attempt, ...
@@ -386,7 +385,7 @@ def eval_opt(episodes: list[Episode], llm: LLM, task: str, max_rounds: int | Non
 
 
 def orch_workers(episodes: list[Episode], llm: LLM, task: str, max_strategies: int = 3) -> None:
-    _check_task(task)
+    taskkinds.get(task)
     if not 1 <= max_strategies <= len(SOLUTION_HEADERS):
         raise ValueError(f"max_strategies must be in 1..{len(SOLUTION_HEADERS)}, got {max_strategies}")
     orch = stage(llm, "orchestrator", ["orchestrator"] * len(episodes),
@@ -415,32 +414,80 @@ def orch_workers(episodes: list[Episode], llm: LLM, task: str, max_strategies: i
         ep.final_text = call.text
 
 
-def register(name: str, fn: Callable, roles: tuple, slots: tuple, kinds: dict | None = None,
-             instructions: dict | None = None) -> None:
+def register(name: str, fn: Callable, roles: tuple, slots, kinds: dict | None = None,
+             instructions: dict | None = None, params: tuple = ()) -> None:
     """Add a workflow: `fn(episodes, llm, task, **params)`, its role types (one adapter each
-    under isolated), its slots (advantage groups) and, for new role types, their kinds
-    (ROLE_KINDS) and system instructions {(role, task): text}."""
+    under isolated), its slots (the advantage groups: a tuple, or a function of the parameters'
+    values that gives them), for new role types their kinds (ROLE_KINDS), system instructions of
+    its own {(role, task): text}, and its parameters (Param: flags of train.py and eval.py, axes
+    of sweep.py)."""
     kinds, instructions = dict(kinds or {}), dict(instructions or {})
     for role in roles:
         kind = kinds.get(role, ROLE_KINDS.get(role))
         if kind not in KINDS:
             raise ValueError(f"workflow {name!r}: role {role!r} needs a kind, one of {KINDS}")
         ROLE_KINDS[role] = kind
-    WORKFLOWS[name], ROLES[name], SLOTS[name] = fn, tuple(roles), tuple(slots)
-    INSTRUCTIONS.update(instructions)
+    if any(not isinstance(text, str) or not text or "\n" in text for text in instructions.values()):
+        raise ValueError(f"workflow {name!r}: every instruction is one non-empty line of text")
+    for p in params:
+        _check_param(name, p)
+    fixed = tuple(slots) if not callable(slots) else None
+    WORKFLOWS[name], ROLES[name], PARAMS[name] = fn, tuple(roles), tuple(params)
+    SLOTS[name] = slots if fixed is None else (lambda **_: fixed)
+    ROLE_INSTRUCTIONS.update(instructions)
+
+
+def _check_param(workflow: str, p: Param) -> None:
+    if p.type not in (int, float, str):
+        raise ValueError(f"workflow {workflow!r}: parameter {p.name!r} must be an int, float or str")
+    if p.default is not None and not p.range[0] <= p.default <= p.range[1]:
+        raise ValueError(f"workflow {workflow!r}: parameter {p.name!r} default {p.default} is outside {p.range}")
+    for other, q in params_by_dest().get(p.dest, {}).items():
+        if other != workflow and q.type is not p.type:
+            raise ValueError(f"workflow {workflow!r}: --{p.flag} is a {q.type.__name__} parameter of {other}")
+
+
+def params_by_dest() -> dict:
+    """{config key: {workflow: Param}}: each flag once, with every workflow that has it."""
+    out = {}
+    for workflow, params in PARAMS.items():
+        for p in params:
+            out.setdefault(p.dest, {})[workflow] = p
+    return out
+
+
+def slots_of(name: str, **params) -> tuple[str, ...]:
+    """The slots workflow `name` fills with these parameter values (its defaults for the rest)."""
+    return tuple(SLOTS[name](**params))
+
+
+def _voting_slots(n_voters: int = 3) -> tuple:
+    return (*(f"generator{i}" for i in range(n_voters)), "aggregator")
 
 
 register("single", single, ("generator",), ("generator",))
-register("voting", voting, ("generator", "aggregator"), ("generator0", "generator1", "generator2", "aggregator"))
-register("eval_opt", eval_opt, ("generator", "evaluator"), ("generator", "evaluator"))
+register("voting", voting, ("generator", "aggregator"), _voting_slots,
+         params=(Param("n_voters", int, 3, (1, len(SOLUTION_HEADERS)), "generators that answer the same prompt"),))
+register("eval_opt", eval_opt, ("generator", "evaluator"), ("generator", "evaluator"),
+         params=(Param("max_rounds", int, None, (0, 9), "most evaluator rounds (default: the task kind's, 3 for "
+                       "math and 2 for code, the paper's)", flag="eval-rounds"),))
 register("orch_workers", orch_workers, ("orchestrator", "worker", "synthesizer"),
-         ("orchestrator", "worker", "synthesizer"))
+         ("orchestrator", "worker", "synthesizer"),
+         params=(Param("max_strategies", int, 3, (1, len(SOLUTION_HEADERS)), "most strategies, so workers, an "
+                       "episode runs", flag="max-workers"),))
 
 
 def run_workflow(name: str, episodes: list[Episode], llm: LLM, task: str, **params) -> None:
-    """Run workflow `name` on the batch in place. Params: voting n_voters=3; eval_opt
-    max_rounds=None (3 math, 2 code); orch_workers max_strategies=3; single none."""
+    """Run workflow `name` on the batch in place, with its parameters' values (PARAMS: voting
+    n_voters=3, eval_opt max_rounds=None, orch_workers max_strategies=3); then check that every
+    call is in a role and slot its registration lists."""
     if name not in WORKFLOWS:
         raise ValueError(f"unknown workflow {name!r}; choose one of {sorted(WORKFLOWS)}")
-    _check_task(task)
+    taskkinds.get(task)
     WORKFLOWS[name](episodes, llm, task, **params)
+    roles, slots = set(ROLES[name]), set(slots_of(name, **params))
+    for call in (c for ep in episodes for c in ep.calls):
+        if call.role not in roles or call.slot not in slots:
+            raise RuntimeError(f"workflow {name!r} made a {call.role} call in slot {call.slot!r}, which its "
+                               f"registration does not list (roles {sorted(roles)}, slots {sorted(slots)}"
+                               f"{f' with {params}' if params else ''})")

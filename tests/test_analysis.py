@@ -284,13 +284,11 @@ def test_a_step_without_gradient_has_no_dominant_role():
     assert (m["dominant_role"], m["dominant_frac"], m["no_grad_steps"]) == ("aggregator", 1.0, 2)
 
 
-def test_role_groups_and_colours_come_from_the_workflow_registry(monkeypatch, tmp_path):
+def test_role_groups_and_colours_come_from_the_workflow_registry(registries, tmp_path):
     # the orchestrator plans: it is in neither group of the supervisor / solution ratio
     assert analysis.sup_gen_ratio({"orchestrator": 10.0, "worker": 1.0, "synthesizer": 3.0}) is None
     assert analysis.sup_gen_ratio({"evaluator": 6.0, "generator": 1.0, "orchestrator": 100.0}) == pytest.approx(6.0)
     # a fifth workflow registered in workflows.py only: its new role is grouped by the kind it declares
-    for name in ("WORKFLOWS", "ROLES", "SLOTS", "ROLE_KINDS", "INSTRUCTIONS"):
-        monkeypatch.setattr(workflows, name, dict(getattr(workflows, name)))
     workflows.register("best_of_2", workflows.single, ("generator", "judge"), ("generator0", "generator1", "judge"),
                        kinds={"judge": "supervisory"})
     assert analysis.role_kind("judge") == "supervisory"

@@ -17,6 +17,7 @@ import torch
 import analysis
 import eval as ev
 import rewards
+import taskkinds
 import workflows
 from test_analysis import synthetic_run, write_run
 from workflows import Call, Episode
@@ -37,6 +38,16 @@ def test_cli_analysis_json_and_help(tmp_path):
     h = subprocess.run([sys.executable, "eval.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "--cliff-drop" in h.stdout and analysis.CLIFF_RULE in " ".join(h.stdout.split())
     assert analysis.CLIFF_RULE in " ".join(analysis.__doc__.split())  # one sentence, the same in the docstring
+
+
+def test_a_closed_pipe_ends_the_analysis_quietly(tmp_path):
+    """`eval.py --runs RUN | head -2`: the reader has gone before the table is written."""
+    run = write_run(tmp_path, "r", [0.2, 0.4])
+    p = subprocess.Popen([sys.executable, "eval.py", "--runs", run, "--no-plots"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()   # no reader left: the first write fails with EPIPE
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141 and err == ""
 
 
 def test_terminal_tables_fit_120_columns(tmp_path, capsys):
@@ -99,15 +110,15 @@ def test_pass_at_k_matches_closed_form():
 # ----------------------------------------------------------------------------- scripted episodes
 
 def _score_by_box(texts, problems, task):
-    """Stand-in for rewards.score: 1 when the last box equals the gold answer."""
+    """Stand-in for taskkinds.score: 1 when the last box equals the gold answer."""
     return [float(rewards.last_boxed(t) == p["answer"]) for t, p in zip(texts, problems)]
 
 
 @pytest.fixture
 def parsers(monkeypatch):
-    """rewards.score replaced by a box check (the real one may not exist yet, and runs code);
+    """taskkinds.score replaced by a box check (the real one runs code in a sandbox);
     the role-output parsers are workflows' own."""
-    monkeypatch.setattr(rewards, "score", _score_by_box, raising=False)
+    monkeypatch.setattr(taskkinds, "score", _score_by_box)
 
 
 def _call(role, slot, text, ids=None):

@@ -67,10 +67,22 @@ def test_zero_means_what_the_help_says(tmp_path):
     assert "0 for none" in text and "0 for all of the" in text and "0 for no" in text
 
 
+def test_settings_that_fix_the_advantages_say_so_in_one_line(tmp_path, capsys):
+    flags.parse_args(["--temperature", "0", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--temperature 0" in err and "every advantage is 0" in err
+    flags.parse_args(["--group-size", "1", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "every advantage is the raw reward (A = R)" in err
+    flags.parse_args(["--out", str(tmp_path / "r")])
+    assert capsys.readouterr().err == ""
+
+
 def test_help_states_each_default_once():
     text = " ".join(flags.build_parser().format_help().split())
     assert "8 at --scale toy, 8 otherwise" not in text and "16384 at --scale toy, 16384" not in text
     assert "rollouts per problem (G) (default: 8)" in text
+    assert "data set (toy_math, toy_code, humaneval, gsm8k_test100, dapo_math, gsm8k, math500, mbpp, deepcoder)" in text
 
 
 def test_full_isolation_has_its_own_default_lr(tmp_path):

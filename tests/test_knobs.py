@@ -24,9 +24,9 @@ def run(model_dir, out, *extra, steps=1):
 
 @pytest.mark.parametrize("n", [1, 5])
 def test_n_voters_sets_the_same_role_agents_on_one_prompt(model_dir, tmp_path, monkeypatch, n):
-    import rewards
+    import taskkinds
     from test_train import coin_rewards
-    monkeypatch.setattr(rewards, "score", coin_rewards)   # rewards that vary, so there are gradients
+    monkeypatch.setattr(taskkinds, "score", coin_rewards)   # rewards that vary, so there are gradients
     m = run(model_dir, tmp_path / "r", "--workflow", "voting", "--sharing", "isolated", "--n-voters", str(n),
             "--group-size", "6")[0]
     assert set(m["slots"]) == {f"generator{k}" for k in range(n)} | {"aggregator"}
@@ -91,8 +91,8 @@ def test_a_placebo_run_logs_its_scales_and_resumes_exactly(model_dir, tmp_path, 
     import grpo
     from test_train import coin_rewards, comparable, interrupt_in_update
 
-    import rewards
-    monkeypatch.setattr(rewards, "score", coin_rewards)
+    import taskkinds
+    monkeypatch.setattr(taskkinds, "score", coin_rewards)
     flags = ["--workflow", "voting", "--sharing", "shared", "--save-every", "2", "--coherence-damp", "generator=0.5",
              "--coherence-window", "2", "--damp-placebo"]
     full = comparable(run(model_dir, tmp_path / "full", *flags, steps=4))

@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rewards  # noqa: E402
 import sandbox  # noqa: E402
+import taskkinds  # noqa: E402
 import tasks  # noqa: E402
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the code sandbox needs Linux")
@@ -136,11 +137,11 @@ def test_math_reward_works_off_the_main_thread():
 def test_score_math_matches_one_by_one():
     texts = [f"\\boxed{{{a}}}" for a, _, _ in MATH_TABLE] + ["no box"]
     problems = [{"answer": g} for _, g, _ in MATH_TABLE] + [{"answer": "1"}]
-    assert rewards.score(texts, problems, "math") == [float(e) for *_, e in MATH_TABLE] + [0.0]
+    assert taskkinds.score(texts, problems, "math") == [float(e) for *_, e in MATH_TABLE] + [0.0]
     with pytest.raises(ValueError):
-        rewards.score(["a"], [], "math")
+        taskkinds.score(["a"], [], "math")
     with pytest.raises(ValueError):
-        rewards.score(["a"], [{"answer": "1"}], "poetry")
+        taskkinds.score(["a"], [{"answer": "1"}], "no-such-task-xyz")
 
 
 # ----------------------------------------------------------------------------------------
@@ -187,7 +188,7 @@ def test_score_code_batch_dedups_and_keeps_order():
     bad = "def f(x):\n    return x\n"
     texts = [fenced(GOOD), fenced(bad), "no code", fenced(GOOD)] * 8
     problems = [{"tests": F_TESTS}] * len(texts)
-    assert rewards.score(texts, problems, "code") == [1.0, 0.0, 0.0, 1.0] * 8
+    assert taskkinds.score(texts, problems, "code") == [1.0, 0.0, 0.0, 1.0] * 8
 
 
 # ----------------------------------------------------------------------------------------
@@ -236,11 +237,11 @@ def test_humaneval_canonical_solutions_pass_and_planted_bugs_fail():
     problems = _humaneval()
     assert len(problems) == 164
     programs = [_canonical(p["id"]) for p in problems]
-    good = rewards.score([fenced(prog) for prog in programs], problems, "code")
+    good = taskkinds.score([fenced(prog) for prog in programs], problems, "code")
     failed = [p["id"] for p, s in zip(problems, good) if s != 1.0]
     assert failed == [], failed
     planted = [prog + PLANT.format(name=p["tests"]["entry_point"]) for prog, p in zip(programs, problems)]
-    bad = rewards.score([fenced(prog) for prog in planted], problems, "code")
+    bad = taskkinds.score([fenced(prog) for prog in planted], problems, "code")
     passed = [p["id"] for p, s in zip(problems, bad) if s != 0.0]
     assert passed == [], passed
 

@@ -4,6 +4,7 @@ seconds. The matrix and its input checks are tested by dry runs; skipping, faili
 resuming, Ctrl-C and a killed sweep by real runs of train.py children (most of the time goes
 to starting them: importing torch). CPU, offline, about a minute:
 `python -m pytest -q tests/test_sweep.py`."""
+import argparse
 import json
 import os
 import shlex
@@ -17,7 +18,6 @@ import pytest
 
 import sweep
 import toy
-import workflows
 from conftest import save_tiny_toy_model
 
 SWEEP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sweep.py")
@@ -28,6 +28,8 @@ TINY = ["--steps", "2", "--problems-per-step", "2", "--group-size", "2", "--max-
 LONG = TINY + ["--steps", "12", "--eval-every", "0", "--save-every", "100"]
 VOTING = ["--workflows", "voting", "--tasks", "math", "--sharings", "shared"]
 CELL = "voting-math-shared-tiny-s0"  # at --scale TMP/tiny
+# the paper's matrix, named: a fork that registers a workflow or a task kind adds cells to the default
+PAPER = ["--workflows", "single", "voting", "eval_opt", "orch_workers", "--tasks", "math", "code"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def toy_cache(tiny, tmp_path_factory):
     """A MARL_CACHE whose toy models (math and code) are the tiny model, at the folders
     toy.model_folder looks in, so that `--scale toy` loads it at once."""
     cache = str(tmp_path_factory.mktemp("cache"))
-    for task in workflows.TASKS:
+    for task in ("math", "code"):
         folder = os.path.join(cache, "toy", f"{task}-{toy._key(task, toy.WARM)}")
         shutil.copytree(tiny, folder)
         open(os.path.join(folder, toy.COMPLETE), "w").close()   # as a finished build leaves it
@@ -66,7 +68,7 @@ def read_jsonl(path):
 
 def test_dry_run_lists_14_cells_per_seed_and_writes_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert sweep.main(["--dry-run", "--seeds", "0", "1", "--out", "m"]) == 0
+    assert sweep.main(["--dry-run", *PAPER, "--seeds", "0", "1", "--out", "m"]) == 0
     out = capsys.readouterr().out
     cmds = commands(out)
     assert len(cmds) == 28 and len({flag(c, "--out") for c in cmds}) == 28
@@ -76,7 +78,7 @@ def test_dry_run_lists_14_cells_per_seed_and_writes_nothing(tmp_path, monkeypatc
     assert os.listdir(tmp_path) == []
 
     # an lr axis: each lr is a cell, named with its lr and run with --lr; -- flags reach every cell
-    assert sweep.main(["--dry-run", "--lrs", "1e-3", "0.003", "--out", "m", "--", "--steps", "7"]) == 0
+    assert sweep.main(["--dry-run", *PAPER, "--lrs", "1e-3", "0.003", "--out", "m", "--", "--steps", "7"]) == 0
     cmds = commands(capsys.readouterr().out)
     assert len(cmds) == 28 and all(c[-2:] == ["--steps", "7"] for c in cmds)
     lr3 = [c for c in cmds if flag(c, "--out").endswith("voting-math-shared-toy-lr3e-3-s0")]
@@ -92,7 +94,7 @@ def test_dry_run_skips_done_cells_and_resumes_started_ones(tmp_path, capsys):
     (out / "single-code-shared-toy-s0").mkdir()
     (out / "single-code-shared-toy-s0" / "config.json").write_text("{}")
     before = sorted(p.name for p in out.rglob("*"))
-    assert sweep.main(["--dry-run", "--workflows", "single", "--out", str(out)]) == 0
+    assert sweep.main(["--dry-run", "--workflows", "single", "--tasks", "math", "code", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     [cmd] = commands(text)
     assert flag(cmd, "--resume") == str(out / "single-code-shared-toy-s0")
@@ -101,9 +103,8 @@ def test_dry_run_skips_done_cells_and_resumes_started_ones(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--workflows", "votng"], "invalid choice: 'votng' (choose from "
-                               + ", ".join(repr(w) for w in workflows.WORKFLOWS) + ")"),
-    (["--tasks", "physics"], "invalid choice: 'physics' (choose from 'math', 'code')"),
+    (["--workflows", "votng"], "invalid choice: 'votng' (choose from 'single', 'voting', 'eval_opt', 'orch_workers'"),
+    (["--tasks", "no-such-task-xyz"], "invalid choice: 'no-such-task-xyz' (choose from 'math', 'code'"),
     (["--sharings", "half"], "invalid choice: 'half' (choose from 'shared', 'isolated')"),
     (["--lrs", "0"], "0 is not a positive number"),
     (["--jobs", "0"], "--jobs must be at least 1"),
@@ -121,6 +122,23 @@ def test_bad_input_is_refused_in_one_line(argv, message, tmp_path, monkeypatch, 
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and message in err[-1]
     assert os.listdir(tmp_path) == []
+
+
+def test_an_axis_of_a_workflow_parameter_multiplies_only_that_workflows_cells(tmp_path, capsys):
+    assert sweep.main(["--dry-run", "--workflows", "single", "voting", "--tasks", "math", "--sharings", "shared",
+                       "--axis", "n-voters=1,5", "--out", str(tmp_path / "m")]) == 0
+    names = sorted(os.path.basename(flag(c, "--out")) for c in commands(capsys.readouterr().out))
+    assert names == ["single-math-shared-toy-s0", "voting-math-shared-toy-n-voters1-s0",
+                     "voting-math-shared-toy-n-voters5-s0"]
+
+
+def test_the_run_table_shows_whole_cell_names(tmp_path, capsys):
+    from test_analysis import write_run
+    name = "orch_workers-math-isolated-a-long-model-folder-name-lr3e-3-max-workers2-s0"
+    write_run(str(tmp_path), name, [0.2, 0.3], config={"workflow": "orch_workers"})
+    args = argparse.Namespace(out=str(tmp_path), cliff_drop=10.0, cliff_window=2)
+    sweep.analyse(args, [(name, [])])
+    assert name in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- running cells

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import policies  # noqa: E402
 import rewards  # noqa: E402
 import runfolder  # noqa: E402
+import taskkinds  # noqa: E402
 import tasks  # noqa: E402
 import toy  # noqa: E402
 import workflows as wf  # noqa: E402
@@ -72,7 +73,7 @@ def test_every_character_is_one_distinct_token(tok):
 
 
 def test_every_phrase_and_word_is_one_token(tok):
-    for text in list(wf.PHRASES) + toy.WORDS:
+    for text in list(wf.phrases()) + toy.WORDS:
         one = _ids(tok, text)
         assert len(one) == 1, repr(text)
         assert tok.decode(one) == text
@@ -199,7 +200,7 @@ def test_code_solutions_through_the_real_sandbox():
                 break
         slipped.append(s)
     texts = [_exact(p) for p in probs] + slipped
-    assert rewards.score(texts, probs + probs, "code") == [1.0] * 3 + [0.0] * 3
+    assert taskkinds.score(texts, probs + probs, "code") == [1.0] * 3 + [0.0] * 3
     assert rewards.code_reward(_exact(probs[0]), probs[0]["tests"]) == 1.0
 
 
@@ -223,14 +224,14 @@ def _user(msgs):
 def test_every_role_transcript_parses(task):
     rng = random.Random(0)
     train = toy.problems(task, "train")
-    rounds = wf.EVAL_OPT_ROUNDS[task]
+    rounds = taskkinds.get(task).rounds
     for role in toy.ROLE_MIX:
         for _ in range(60):
             p = rng.choice(train)
             msgs, target = toy.transcript(p, task, role, rng)
             assert [m["role"] for m in msgs] == ["system", "user"]
             assert _user(msgs).startswith(f"{wf.PROBLEM}\n{p['prompt']}\n") or _user(msgs) == f"{wf.PROBLEM}\n{p['prompt']}"
-            system = wf.REVISE_INSTRUCTIONS[task] if role == "reviser" else wf.INSTRUCTIONS[role, task]
+            system = taskkinds.get(task).revision() if role == "reviser" else wf.instruction(role, task)
             assert msgs[0]["content"] == system
             if role == "aggregator":   # 3 solutions (Voting's default) or 1-8, for any --n-voters
                 n = _user(msgs).count("\nSolution ")

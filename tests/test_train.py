@@ -170,7 +170,7 @@ def run_failing(capsys, args):
 
 
 def test_unknown_flag_values_are_refused(capsys, tmp_path, model_dir):
-    assert "invalid choice" in run_failing(capsys, ["--workflow", "debate"])
+    assert "invalid choice" in run_failing(capsys, ["--workflow", "no-such-workflow-xyz"])
     assert "invalid choice" in run_failing(capsys, ["--sharing", "half"])
     assert "--group-size must be at least 1" in run_failing(capsys, argv(model_dir, tmp_path / "r", "--group-size", "0"))
     assert "ROLE=VALUE" in run_failing(capsys, argv(model_dir, tmp_path / "r", "--kl-coef-role", "generator=lots"))
@@ -192,7 +192,8 @@ def test_a_hub_download_that_fails_offline_names_the_local_path_to_pass(capsys, 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
     data = tmp_path / "local.jsonl"
     data.write_text('{"id": "a", "prompt": "1+1", "source": "x", "answer": "2"}\n')
-    line = run_failing(capsys, ["--scale", "0.6b", "--data", str(data), "--out", str(tmp_path / "r"), "--device", "cpu"])
+    line = run_failing(capsys, ["--scale", "0.6b", "--data", str(data), "--out", str(tmp_path / "r"), "--device", "cpu",
+                                "--steps", "2"])
     assert "Qwen/Qwen3-0.6B" in line and "--scale" in line and "local folder" in line
 
 
@@ -401,7 +402,8 @@ def test_messages_name_the_fix(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
     data = tmp_path / "local.jsonl"
     data.write_text('{"id": "a", "prompt": "1+1", "answer": "2"}\n')
-    line = run_failing(capsys, ["--scale", "0.6b", "--data", str(data), "--out", str(tmp_path / "r"), "--device", "cpu"])
+    line = run_failing(capsys, ["--scale", "0.6b", "--data", str(data), "--out", str(tmp_path / "r"), "--device", "cpu",
+                                "--steps", "2"])
     assert "hf download Qwen/Qwen3-0.6B" in line and "huggingface-cli" not in line
 
 
@@ -414,8 +416,8 @@ def coin_rewards(texts, problems, task, **kw):
 
 
 def test_coherence_damp_resumes_exactly(model_dir, tmp_path, monkeypatch):
-    import rewards
-    monkeypatch.setattr(rewards, "score", coin_rewards)
+    import taskkinds
+    monkeypatch.setattr(taskkinds, "score", coin_rewards)
     flags = ["--workflow", "voting", "--sharing", "shared", "--save-every", "3", "--eval-every", "0",
              "--coherence-damp", "generator=0.5", "--coherence-damp", "aggregator=0.3", "--coherence-window", "2"]
     full, cut = tmp_path / "full", tmp_path / "cut"
@@ -441,7 +443,7 @@ def best_of_2(episodes, llm, task):
                            [ep for ep in episodes for _ in range(2)])
     for i, ep in enumerate(episodes):
         ep.calls += gens[2 * i:2 * i + 2]
-    msgs = [[{"role": "system", "content": workflows.INSTRUCTIONS["judge", task]},
+    msgs = [[{"role": "system", "content": workflows.instruction("judge", task)},
              {"role": "user", "content": "\n".join([ep.problem["prompt"], gens[2 * i].text, gens[2 * i + 1].text])}]
             for i, ep in enumerate(episodes)]
     for i, (ep, judge) in enumerate(zip(episodes, workflows.stage(llm, "judge", ["judge"] * len(episodes), msgs,
@@ -452,13 +454,11 @@ def best_of_2(episodes, llm, task):
         ep.final_text = gens[2 * i + k - 1].text
 
 
-def test_a_workflow_registered_in_workflows_py_alone_trains(model_dir, tmp_path, monkeypatch):
-    for name in ("WORKFLOWS", "ROLES", "SLOTS", "ROLE_KINDS", "INSTRUCTIONS"):
-        monkeypatch.setattr(workflows, name, dict(getattr(workflows, name)))
+def test_a_workflow_registered_in_workflows_py_alone_trains(model_dir, tmp_path, registries):
     workflows.register("best_of_2", best_of_2, ("generator", "judge"), ("generator0", "generator1", "judge"),
                        kinds={"judge": "supervisory"},
                        instructions={("judge", t): "Pick the better solution; answer \\boxed{1} or \\boxed{2}."
-                                     for t in workflows.TASKS})
+                                     for t in ("math", "code")})
     out = tmp_path / "run"
     train.main(argv(model_dir, out, "--workflow", "best_of_2", "--sharing", "isolated", steps=1))
     m = read_jsonl(out / "metrics.jsonl")[0]

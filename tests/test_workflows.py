@@ -1,6 +1,7 @@
 """Tests of workflows.py with a scripted fake llm: stages, call counts per role and slot, prompt
-contents, graded text, parser fallbacks, and that prompts are built only from PHRASES plus
-variable text. CPU, offline, no torch. Run: python -m pytest -q tests/test_workflows.py
+contents, graded text, parser fallbacks, and that prompts are built only from the phrases
+(workflows.phrases()) plus variable text. The built-in workflows and tasks are named here, so
+that a fork's registrations leave these tests as they are. CPU, offline, no torch. Run: python -m pytest -q tests/test_workflows.py
 """
 import functools
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import taskkinds as K
 import workflows as W
 from workflows import Call, Episode
 
@@ -27,6 +29,8 @@ CODE = [
      "tests": {"kind": "stdio", "cases": [{"stdin": "3\n", "stdout": "6\n"}]}},
 ]
 PROBLEMS = {"math": MATH, "code": CODE}
+TASKS = ("math", "code")                                    # the built-in task kinds
+BUILT_IN = ("single", "voting", "eval_opt", "orch_workers")  # the built-in workflows
 
 
 class FakeLLM:
@@ -73,8 +77,8 @@ def problem_of(msgs, task):
 
 
 def only_phrases_and(content, variables):
-    """True when content == "\\n".join(parts) with each part a PHRASES entry or one of variables."""
-    pieces = set(W.PHRASES) | set(variables)
+    """True when content == "\\n".join(parts) with each part a phrase or one of variables."""
+    pieces = set(W.phrases()) | set(variables)
 
     @functools.lru_cache(maxsize=None)
     def ok(i):
@@ -96,28 +100,29 @@ def slot_counts(episode):
 # phrases and prompt composition
 
 def test_phrases_are_distinct_single_line_and_none_inside_another():
-    assert len(set(W.PHRASES)) == len(W.PHRASES)
-    for p in W.PHRASES:
+    assert len(set(W.phrases())) == len(W.phrases())
+    for p in W.phrases():
         assert p and "\n" not in p and p == p.strip()
         assert p.count(". ") <= 1, f"instruction longer than two sentences: {p!r}"
-        for q in W.PHRASES:
+        for q in W.phrases():
             assert p == q or p not in q, f"{p!r} inside {q!r}: a whole-phrase tokenizer would split it"
     # every string constant of the module that ends up in prompts is listed
-    consts = [v for k, v in vars(W).items() if k.isupper() and isinstance(v, str)]
-    assert consts and all(c in W.PHRASES for c in consts)
-    assert set(W.INSTRUCTIONS.values()) | set(W.REVISE_INSTRUCTIONS.values()) <= set(W.PHRASES)
-    assert {"Solution 1:", "Solution 2:", "Solution 3:"} <= set(W.PHRASES)
+    consts = [v for m in (W, K) for k, v in vars(m).items() if k.isupper() and isinstance(v, str)]
+    assert consts and all(c in W.phrases() for c in consts)
+    for kind in K.TASK_KINDS.values():
+        assert {*kind.instructions.values(), kind.revision(), kind.default} <= set(W.phrases())
+    assert {"Solution 1:", "Solution 2:", "Solution 3:"} <= set(W.phrases())
 
 
 def test_code_and_math_instructions_ask_for_their_answer_format():
     for role in ("generator", "worker", "synthesizer"):
-        assert "\\boxed{}" in W.INSTRUCTIONS[role, "math"]
-        assert "```python" in W.INSTRUCTIONS[role, "code"]
-    assert "\\boxed{}" in W.REVISE_MATH and "```python" in W.REVISE_CODE
-    for task in W.TASKS:
-        assert "\\boxed{k}" in W.INSTRUCTIONS["aggregator", task]
-        assert "\\boxed{Correct}" in W.INSTRUCTIONS["evaluator", task]
-        assert "STRATEGY k:" in W.INSTRUCTIONS["orchestrator", task]
+        assert "\\boxed{}" in W.instruction(role, "math")
+        assert "```python" in W.instruction(role, "code")
+    assert "\\boxed{}" in K.REVISE_MATH and "```python" in K.REVISE_CODE
+    for task in TASKS:
+        assert "\\boxed{k}" in W.instruction("aggregator", task)
+        assert "\\boxed{Correct}" in W.instruction("evaluator", task)
+        assert "STRATEGY k:" in W.instruction("orchestrator", task)
 
 
 WORKFLOW_REPLIES = {
@@ -129,8 +134,8 @@ WORKFLOW_REPLIES = {
 }
 
 
-@pytest.mark.parametrize("task", W.TASKS)
-@pytest.mark.parametrize("name", sorted(W.WORKFLOWS))
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("name", BUILT_IN)
 def test_every_prompt_is_phrases_plus_variable_text(name, task):
     replies = WORKFLOW_REPLIES[name]
     llm = FakeLLM(**replies)
@@ -142,7 +147,7 @@ def test_every_prompt_is_phrases_plus_variable_text(name, task):
     for role, slots, messages_list in llm.log:
         for msgs in messages_list:
             assert [m["role"] for m in msgs] == ["system", "user"]
-            assert system(msgs) in W.PHRASES
+            assert system(msgs) in W.phrases()
             assert only_phrases_and(user(msgs), variables), user(msgs)
             # the real content is there too: taking it out changes the prompt
             assert not only_phrases_and(user(msgs), []), user(msgs)
@@ -150,7 +155,7 @@ def test_every_prompt_is_phrases_plus_variable_text(name, task):
     assert n_prompts == sum(len(ep.calls) for ep in eps)
     # roles and slots are the design's
     assert {c.role for ep in eps for c in ep.calls} == set(W.ROLES[name])
-    assert {c.slot for ep in eps for c in ep.calls} == set(W.SLOTS[name])
+    assert {c.slot for ep in eps for c in ep.calls} == set(W.slots_of(name))
 
 
 def test_decomposition_check_catches_text_that_is_not_a_phrase():
@@ -163,7 +168,7 @@ def test_decomposition_check_catches_text_that_is_not_a_phrase():
 # ---------------------------------------------------------------------------------------
 # single
 
-@pytest.mark.parametrize("task", W.TASKS)
+@pytest.mark.parametrize("task", TASKS)
 def test_single_one_generator_call_graded(task):
     llm = FakeLLM(generator=["x1", "x2"])
     eps = episodes_for(task, 2)
@@ -173,7 +178,7 @@ def test_single_one_generator_call_graded(task):
     for ep in eps:
         assert slot_counts(ep) == {("generator", "generator"): 1}
         msgs = ep.calls[0].messages
-        assert system(msgs) == W.INSTRUCTIONS["generator", task]
+        assert system(msgs) == W.instruction("generator", task)
         assert user(msgs) == f"{W.PROBLEM}\n{ep.problem['prompt']}"
     assert all(ep.fallbacks == {} for ep in eps)
 
@@ -181,7 +186,7 @@ def test_single_one_generator_call_graded(task):
 # ---------------------------------------------------------------------------------------
 # voting
 
-@pytest.mark.parametrize("task", W.TASKS)
+@pytest.mark.parametrize("task", TASKS)
 def test_voting_stages_slots_and_aggregator_prompt(task):
     eps = episodes_for(task, 2)
     gen = [f"{ep.problem['id']} sol{k}" for ep in eps for k in range(3)]
@@ -199,7 +204,7 @@ def test_voting_stages_slots_and_aggregator_prompt(task):
                                    ("generator", "generator2"): 1, ("aggregator", "aggregator"): 1}
         assert [c.slot for c in ep.calls] == ["generator0", "generator1", "generator2", "aggregator"]
         agg = ep.calls[-1].messages
-        assert system(agg) == W.INSTRUCTIONS["aggregator", task]
+        assert system(agg) == W.instruction("aggregator", task)
         sols = gen[3 * i:3 * i + 3]
         assert user(agg) == "\n".join([W.PROBLEM, ep.problem["prompt"], "Solution 1:", sols[0],
                                        "Solution 2:", sols[1], "Solution 3:", sols[2]])
@@ -275,22 +280,22 @@ def test_eval_opt_prompts_carry_the_whole_conversation():
     a = [f"m0 att{k}" for k in range(1, 5)]
     gens = [c for c in ep.calls if c.role == "generator"]
     evals = [c for c in ep.calls if c.role == "evaluator"]
-    assert system(gens[0].messages) == W.GENERATOR_MATH
+    assert system(gens[0].messages) == K.GENERATOR_MATH
     assert user(gens[0].messages) == f"{W.PROBLEM}\n{p}"
     for r in range(3):
         # the evaluator sees every attempt and every feedback so far, ending with the attempt to judge
         conv = [W.PROBLEM, p]
         for k in range(r):
             conv += [W.ATTEMPT, a[k], W.FEEDBACK, fb[k]]
-        assert system(evals[r].messages) == W.EVALUATOR_MATH
+        assert system(evals[r].messages) == K.EVALUATOR_MATH
         assert user(evals[r].messages) == "\n".join(conv + [W.ATTEMPT, a[r]])
         # the revising generator sees the same conversation, ending with the new feedback
-        assert system(gens[r + 1].messages) == W.REVISE_MATH
+        assert system(gens[r + 1].messages) == K.REVISE_MATH
         assert user(gens[r + 1].messages) == "\n".join(conv + [W.ATTEMPT, a[r], W.FEEDBACK, fb[r]])
     assert ep.final_text == a[3]
 
 
-@pytest.mark.parametrize("task", W.TASKS)
+@pytest.mark.parametrize("task", TASKS)
 def test_eval_opt_stops_early_on_correct(task):
     eps = episodes_for(task, 2)
     llm = FakeLLM(generator=["first A", "first B"], evaluator="Looks right. \\boxed{CORRECT}")
@@ -381,20 +386,20 @@ def test_orch_workers_stages_one_strategy_per_worker_and_synthesis():
         strategies = expected[ep.problem["id"]]
         assert slot_counts(ep) == {("orchestrator", "orchestrator"): 1, ("worker", "worker"): len(strategies),
                                    ("synthesizer", "synthesizer"): 1}
-        assert system(ep.calls[0].messages) == W.ORCHESTRATOR_MATH
+        assert system(ep.calls[0].messages) == K.ORCHESTRATOR_MATH
         assert user(ep.calls[0].messages) == f"{W.PROBLEM}\n{ep.problem['prompt']}"
         workers = [c for c in ep.calls if c.role == "worker"]
         for c, s in zip(workers, strategies):
             # exactly one strategy, and no other
             assert user(c.messages) == "\n".join([W.PROBLEM, ep.problem["prompt"], W.STRATEGY, s])
-            assert system(c.messages) == W.WORKER_MATH
+            assert system(c.messages) == K.WORKER_MATH
         syn = ep.calls[-1]
         sols = [f"sol of {s}" for s in strategies]
         parts = [W.PROBLEM, ep.problem["prompt"]]
         for k, s in enumerate(sols):
             parts += [W.SOLUTION_HEADERS[k], s]
         assert user(syn.messages) == "\n".join(parts)
-        assert system(syn.messages) == W.SYNTHESIZER_MATH
+        assert system(syn.messages) == K.SYNTHESIZER_MATH
         assert ep.final_text == f"final for {ep.problem['id']}"      # the synthesizer's text is graded
         assert ep.fallbacks == {"orchestrator": 0}
 
@@ -406,14 +411,14 @@ def test_orch_workers_stages_one_strategy_per_worker_and_synthesis():
     ("STRATEGY 1: add them\nSTRATEGY 2: Add  them\nSTRATEGY 3: guess", ["add them", "guess"], True),  # duplicate
     ("STRATEGY 1: a\nSTRATEGY 2: b", ["a", "b"], False),
 ])
-@pytest.mark.parametrize("task", W.TASKS)
+@pytest.mark.parametrize("task", TASKS)
 def test_orch_workers_strategy_fallbacks(reply, strategies, fallback, task):
     eps = episodes_for(task, 1)
     llm = FakeLLM(orchestrator=reply, worker=lambda s, m: "w", synthesizer="done")
     W.orch_workers(eps, llm, task)
     workers = [c for c in eps[0].calls if c.role == "worker"]
     assert [user(c.messages).split(W.STRATEGY + "\n")[1] for c in workers] == strategies
-    assert all(system(c.messages) == W.INSTRUCTIONS["worker", task] for c in workers)
+    assert all(system(c.messages) == W.instruction("worker", task) for c in workers)
     assert eps[0].fallbacks == {"orchestrator": int(fallback)}
     assert eps[0].final_text == "done"
 
@@ -441,13 +446,30 @@ def test_parsers():
 
 
 def test_run_workflow_validates_name_and_task():
-    with pytest.raises(ValueError, match="unknown workflow 'debate'"):
-        W.run_workflow("debate", episodes_for("math", 1), FakeLLM(), "math")
-    with pytest.raises(ValueError, match="unknown task 'poetry'"):
-        W.run_workflow("single", episodes_for("math", 1), FakeLLM(), "poetry")
+    with pytest.raises(ValueError, match="unknown workflow 'no-such-workflow-xyz'"):
+        W.run_workflow("no-such-workflow-xyz", episodes_for("math", 1), FakeLLM(), "math")
+    with pytest.raises(ValueError, match="unknown task 'no-such-task-xyz'"):
+        W.run_workflow("single", episodes_for("math", 1), FakeLLM(), "no-such-task-xyz")
     with pytest.raises(ValueError, match="unknown task"):
-        W.generator_messages(MATH[0], "poetry")
-    assert set(W.WORKFLOWS) == set(W.ROLES) == set(W.SLOTS) == {"single", "voting", "eval_opt", "orch_workers"}
+        W.generator_messages(MATH[0], "no-such-task-xyz")
+    assert set(W.WORKFLOWS) == set(W.ROLES) == set(W.SLOTS) == set(W.PARAMS) >= set(BUILT_IN)
+
+
+def test_slots_follow_the_parameters_and_a_call_in_an_unlisted_slot_is_an_error(registries):
+    eps = episodes_for("math", 1)
+    llm = FakeLLM(generator=[f"s{k}" for k in range(8)], aggregator="\\boxed{8}")
+    W.run_workflow("voting", eps, llm, "math", n_voters=8)
+    assert {c.slot for c in eps[0].calls} == set(W.slots_of("voting", n_voters=8)) == {
+        *(f"generator{k}" for k in range(8)), "aggregator"}
+
+    def stray(episodes, llm, task):   # registered with one slot, calls in another
+        calls = W.stage(llm, "generator", ["generator9"] * len(episodes),
+                        [W.generator_messages(ep.problem, task) for ep in episodes], episodes)
+        for ep, call in zip(episodes, calls):
+            ep.calls.append(call)
+    W.register("stray", stray, ("generator",), ("generator",))
+    with pytest.raises(RuntimeError, match="made a generator call in slot 'generator9', which its registration"):
+        W.run_workflow("stray", episodes_for("math", 1), FakeLLM(generator="x"), "math")
 
 
 def test_llm_returning_the_wrong_number_of_calls_is_an_error():
@@ -456,7 +478,7 @@ def test_llm_returning_the_wrong_number_of_calls_is_an_error():
         W.single(episodes_for("math", 2), bad, "math")
 
 
-@pytest.mark.parametrize("name", sorted(W.WORKFLOWS))
+@pytest.mark.parametrize("name", BUILT_IN)
 def test_empty_batch_makes_no_call(name):
     llm = FakeLLM()
     W.run_workflow(name, [], llm, "math")

@@ -1,0 +1,245 @@
+"""Task kinds: what a kind of problem is, one `register_task(...)` call each; math and code are two.
+
+A registration gives everything the rest of the code asks of a kind:
+- `reward(text, problem) -> float`: the reward of the whole text of a graded answer, given the
+  problem's record (math reads the text's last \\boxed{}, code runs its last python block);
+- `instructions`: the system instruction of each role it names, `default` for every role it
+  does not name (a new workflow's roles), and `revise` for Eval-Opt's revision turn (default:
+  `default`); workflows.py builds every prompt from them;
+- `max_new_tokens`: the response limit at real scales (the paper's 5120 math, 2048 code);
+  `rounds`: Eval-Opt's evaluator rounds when its max_rounds is unset (3 math, 2 code);
+- `data`: the data set a run takes by default, {"toy": name, "real": name} (a kind with no
+  entry for a scale needs --data there);
+- `check(record)`: raises ValueError(reason) for a record of this kind that lacks what the
+  reward needs, beyond the id, prompt and source every record has (tasks.validate);
+- `marker`: the field that marks a record of this kind when it has no "kind" field (`answer`
+  math, `tests` code); a record may always name its kind with "kind": NAME;
+- `key(text, problem)`, optional: pairs with equal keys get equal rewards, so a batch grades
+  each key once (default: the whole text and the problem's id); `workers(pairs)`, optional:
+  how many distinct pairs to grade at once, in threads (default 1).
+
+    score(texts, problems, task) -> list[float]     the batch entry point training calls once a step
+
+Everything that names task kinds reads TASK_KINDS: train.py's and eval.py's --task choices,
+sweep.py's --tasks, tasks.py's validation and defaults, workflows.py's instructions, and with
+them the toy tokenizer's phrases (a new instruction is a new toy model: README, "Forking").
+Run: `python -m pytest -q tests/test_rewards.py tests/test_forking.py`.
+"""
+import concurrent.futures
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import rewards
+import sandbox
+
+
+def _text_and_id(text: str, problem: dict):
+    return text, problem.get("id")
+
+
+def _one_at_a_time(pairs: list) -> int:
+    return 1
+
+
+@dataclass(frozen=True)
+class TaskKind:
+    """One kind of problem (see the module docstring for each field)."""
+    name: str
+    reward: Callable[[str, dict], float]
+    instructions: dict            # role -> system instruction
+    default: str                  # the instruction of every role `instructions` does not name
+    check: Callable[[dict], None]
+    max_new_tokens: int = 2048
+    data: dict = field(default_factory=dict)     # "toy" / "real" -> data set name
+    revise: str | None = None     # Eval-Opt's revision turn; None: `default`
+    rounds: int = 2
+    marker: str | None = None
+    key: Callable = _text_and_id
+    workers: Callable[[list], int] = _one_at_a_time
+
+    def instruction(self, role: str) -> str:
+        return self.instructions.get(role, self.default)
+
+    def revision(self) -> str:
+        return self.revise or self.default
+
+
+# name -> TaskKind, in order of registration
+TASK_KINDS: dict[str, TaskKind] = {}
+
+
+def register_task(name: str, reward: Callable, instructions: dict, default: str, check: Callable,
+                  **options) -> TaskKind:
+    """Add a task kind; `options` are TaskKind's optional fields (max_new_tokens, data, revise,
+    rounds, marker, key, workers)."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise ValueError(f"task kind {name!r}: a name is lower-case letters, digits and _")
+    strings = [default, *instructions.values()] + ([options["revise"]] if options.get("revise") else [])
+    if any(not isinstance(s, str) or not s or "\n" in s for s in strings):
+        raise ValueError(f"task kind {name!r}: every instruction is one non-empty line of text")
+    kind = TaskKind(name, reward, dict(instructions), default, check, **options)
+    taken = {k.marker: k.name for k in TASK_KINDS.values() if k.marker and k.name != name}
+    if kind.marker in taken:
+        raise ValueError(f"task kind {name!r}: records with {kind.marker!r} already mark {taken[kind.marker]}")
+    TASK_KINDS[name] = kind
+    return kind
+
+
+def get(task: str) -> TaskKind:
+    if task not in TASK_KINDS:
+        raise ValueError(f"unknown task {task!r}; choose one of {tuple(TASK_KINDS)}")
+    return TASK_KINDS[task]
+
+
+def kind_of(record: dict) -> str:
+    """The kind a record names ("kind": NAME), else the one whose marker field it holds; a
+    ValueError says why there is none."""
+    if "kind" in record:
+        if record["kind"] not in TASK_KINDS:
+            raise ValueError(f"'kind' {record['kind']!r} is not a task kind ({', '.join(TASK_KINDS)})")
+        return record["kind"]
+    marked = [k.name for k in TASK_KINDS.values() if k.marker and k.marker in record]
+    if len(marked) != 1:
+        markers = " or ".join(f"{k.marker!r} ({k.name})" for k in TASK_KINDS.values() if k.marker)
+        raise ValueError(f"needs a 'kind' field ({', '.join(TASK_KINDS)}), or exactly one of {markers}")
+    return marked[0]
+
+
+def score(texts: list, problems: list, task: str) -> list[float]:
+    """Rewards of a batch: texts[i] graded against problems[i] by the task kind's reward. Pairs
+    with equal keys are graded once; kind.workers(pairs) of the distinct pairs at a time (the
+    code reward's sandbox workers and the math reward's sympy checks are processes, so threads
+    overlap them)."""
+    if len(texts) != len(problems):
+        raise ValueError(f"score: {len(texts)} texts for {len(problems)} problems")
+    kind = get(task)
+    keys = [kind.key(t, p) for t, p in zip(texts, problems)]
+    first = {}
+    for key, text, problem in zip(keys, texts, problems):
+        first.setdefault(key, (text, problem))
+    pairs = list(first.values())
+    workers = kind.workers(pairs)
+    if workers <= 1:
+        results = [kind.reward(t, p) for t, p in pairs]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
+            results = list(ex.map(lambda pair: kind.reward(*pair), pairs))
+    verdict = dict(zip(first, results))
+    return [float(verdict[k]) for k in keys]
+
+
+# ---------------------------------------------------------------------------------------
+# The two kinds of the paper. Their instructions are fixed prompt text (workflows.phrases):
+# changing one changes the toy model's cache key.
+
+GENERATOR_MATH = "Solve the math problem step by step. Put the final answer in \\boxed{}."
+GENERATOR_CODE = "Solve the programming problem in Python. Give your code in one ```python block."
+REVISE_MATH = ("Your last attempt was judged wrong. Use the feedback to write a new full "
+               "solution, with the final answer in \\boxed{}.")
+REVISE_CODE = ("Your last attempt was judged wrong. Use the feedback to write new, corrected "
+               "code in one ```python block.")
+AGGREGATOR_MATH = ("Compare the numbered solutions and pick the one most likely correct. "
+                   "Reply with its number as \\boxed{k}.")
+AGGREGATOR_CODE = ("Compare the numbered solutions and pick the code most likely to pass all "
+                   "tests. Reply with its number as \\boxed{k}.")
+EVALUATOR_MATH = ("Check the last attempt. Give a short reason without revealing the answer, "
+                  "then \\boxed{Correct} or \\boxed{Incorrect}.")
+EVALUATOR_CODE = ("Check the code of the last attempt. Give a short reason without writing "
+                  "code, then \\boxed{Correct} or \\boxed{Incorrect}.")
+ORCHESTRATOR_MATH = ("Do not solve the problem. List up to 3 different strategies for it, one "
+                     "per line, as STRATEGY k: <strategy>.")
+ORCHESTRATOR_CODE = ("Do not write code. List up to 3 different strategies for the problem, one "
+                     "per line, as STRATEGY k: <strategy>.")
+WORKER_MATH = "Solve the math problem by following the given strategy. Put the final answer in \\boxed{}."
+WORKER_CODE = ("Solve the programming problem by following the given strategy. Give your code "
+               "in one ```python block.")
+SYNTHESIZER_MATH = ("Read the candidate solutions, then write your own full solution. Put the "
+                    "final answer in \\boxed{}.")
+SYNTHESIZER_CODE = ("Read the candidate solutions, then write your own correct code. Give it in "
+                    "one ```python block.")
+
+
+def _math_reward(text: str, problem: dict) -> float:
+    return rewards.math_reward(text, problem["answer"])
+
+
+def _math_key(text: str, problem: dict):
+    return rewards.last_boxed(text), problem.get("answer")
+
+
+def _math_workers(pairs: list) -> int:
+    """sympy's helpers when some pair may need them; else all are fast paths (equal strings,
+    plain numbers), and threads would only add overhead."""
+    hard = any(box is not None and rewards.needs_sympy(box, gold) for box, gold in (_math_key(*p) for p in pairs))
+    return sandbox.helper_count("sympy") if hard else 1
+
+
+def _check_math(record: dict) -> None:
+    if "tests" in record:
+        raise ValueError("a math record has an 'answer', not 'tests'")
+    answer = record.get("answer")
+    if not isinstance(answer, str) or not answer.strip():
+        raise ValueError(f"'answer' must be a non-empty string, got {answer!r}")
+
+
+def _code_reward(text: str, problem: dict) -> float:
+    return rewards.code_reward(text, problem["tests"])
+
+
+def _code_key(text: str, problem: dict):
+    return rewards.last_code_block(text), json.dumps(problem.get("tests"), sort_keys=True)
+
+
+def _code_workers(pairs: list) -> int:
+    return sandbox.helper_count("sandbox")
+
+
+def _check_code(record: dict) -> None:
+    """The two kinds of test rewards.code_reward runs (rewards.py's docstring)."""
+    if "answer" in record:
+        raise ValueError("a code record has 'tests', not an 'answer'")
+    tests = record.get("tests")
+    if not isinstance(tests, dict):
+        raise ValueError(f"'tests' must be a dict, got {type(tests).__name__}")
+    if tests.get("kind") == "assert":
+        _check_assert(tests)
+    elif tests.get("kind") == "stdio":
+        cases = tests.get("cases")
+        if not isinstance(cases, list) or not cases:
+            raise ValueError("stdio tests need a non-empty list 'cases'")
+        for i, c in enumerate(cases):
+            if not isinstance(c, dict) or not isinstance(c.get("stdin"), str) or not isinstance(c.get("stdout"), str):
+                raise ValueError(f"stdio case {i} must be {{'stdin': str, 'stdout': str}}")
+    else:
+        raise ValueError(f"tests 'kind' must be 'assert' or 'stdio', got {tests.get('kind')!r}")
+
+
+def _check_assert(tests: dict) -> None:
+    if not isinstance(tests.get("test"), str) or not tests["test"].strip():
+        raise ValueError("assert tests need a non-empty string 'test'")
+    try:   # a test that is not Python would fail every program: nothing could be learned
+        compile(tests["test"], "<test>", "exec")
+    except SyntaxError as e:
+        raise ValueError(f"the test is not valid Python ({e.msg}, line {e.lineno}): "
+                         f"{tests['test'].strip()[:60]!r}") from None
+    ep = tests.get("entry_point")
+    if ep is not None and (not isinstance(ep, str) or not ep.isidentifier()):
+        raise ValueError(f"'entry_point' must be a function name or None, got {ep!r}")
+    if ep is None and re.search(r"^def check\s*\(", tests["test"], re.M):
+        raise ValueError("a test that defines check(candidate) needs an 'entry_point'")
+
+
+register_task(
+    "math", _math_reward, check=_check_math, default=GENERATOR_MATH, revise=REVISE_MATH,
+    instructions={"generator": GENERATOR_MATH, "aggregator": AGGREGATOR_MATH, "evaluator": EVALUATOR_MATH,
+                  "orchestrator": ORCHESTRATOR_MATH, "worker": WORKER_MATH, "synthesizer": SYNTHESIZER_MATH},
+    max_new_tokens=5120, rounds=3, data={"toy": "toy_math", "real": "dapo_math"}, marker="answer",
+    key=_math_key, workers=_math_workers)
+register_task(
+    "code", _code_reward, check=_check_code, default=GENERATOR_CODE, revise=REVISE_CODE,
+    instructions={"generator": GENERATOR_CODE, "aggregator": AGGREGATOR_CODE, "evaluator": EVALUATOR_CODE,
+                  "orchestrator": ORCHESTRATOR_CODE, "worker": WORKER_CODE, "synthesizer": SYNTHESIZER_CODE},
+    max_new_tokens=2048, rounds=2, data={"toy": "toy_code", "real": "deepcoder"}, marker="tests",
+    key=_code_key, workers=_code_workers)
