@@ -246,7 +246,8 @@ def _num(x) -> str:
 def table(study: str, rows: dict) -> str:
     """The study's arms as a Markdown table."""
     st = STUDIES[study]
-    mech = [(k, r) for k in st.mechanisms for r in st.roles if any(row.get(f"{k}:{r}") is not None for row in rows.values())]
+    # a column that is nowhere measured or everywhere 0 (a generator's parse failures) says nothing
+    mech = [(k, r) for k in st.mechanisms for r in st.roles if any(row.get(f"{k}:{r}") for row in rows.values())]
     head = ["arm", "seeds", "base", "peak", "final", "peak - final", "cliffs"] + [f"{k} {r}" for k, r in mech]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in [a for a in st.order if a in rows] + sorted(set(rows) - set(st.order)):
@@ -279,7 +280,8 @@ def report_text(study: str) -> str:
     origins = sorted({origin(run["config"]) for runs in groups.values() for run, _ in runs}, key=str)
     code = "; ".join(f"commit {(c or '?')[:7]}{' (dirty)' if d else ''} and toy model {(m or '?')[:12]}"
                      for c, d, m in origins)
-    parts = [f"{sum(len(r) for r in groups.values())} runs in results/{study}/, from {code}. "
+    n = sum(len(r) for r in groups.values())
+    parts = [f"{n} run{'s' if n > 1 else ''} in results/{study}/, from {code}. "
              "Accuracy in %, mean ± standard error over seeds; mechanisms: means over seeds "
              "(displacement: the adapter's move per training step; len: tokens in the last tenth "
              "of training; parse_fail: at the last evaluation; share: of the step's gradient mass).",
