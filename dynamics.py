@@ -217,11 +217,11 @@ class RoleDynamics(grpo.Probe):
     def summary(self, hp=None) -> dict:
         """The step's metrics (every field is described in docs/RUNFOLDER.md): per role n, len,
         skipped, trunc_frac, grad_norm, grad_share, grad_norm_opt / _max, clip_frac,
-        ratio_mean, entropy, logprob_gap, opt_steps, kl (when the grpo.Hyper `hp` gives the
-        role a KL coefficient), damp_cos /
-        damp_scale (with damping); per slot n, len, grad_norm; dominant_role, cos_roles,
-        slot_cos, coherence; adapters {name: {n, opt_steps, grad_norm, lr}}; lr. Under data
-        parallelism every count and sum is over all ranks."""
+        ratio_mean, entropy, logprob_gap, opt_steps, displacement, move_cos, kl (when the
+        grpo.Hyper `hp` gives the role a KL coefficient), damp_cos / damp_scale (with damping);
+        per slot n, len, grad_norm; dominant_role, cos_roles, slot_cos, coherence; adapters
+        {name: {n, opt_steps, grad_norm, lr, displacement}}; lr. Under data parallelism every
+        count and sum is over all ranks."""
         samples, roles = self.samples, self.policy.roles
         idx = {role: [i for i, s in enumerate(samples) if s.role == role] for role in roles}
         sums = [self._token_sums(idx[role], role) for role in roles]
