@@ -766,7 +766,7 @@ class _Decoder:
 
     def __init__(self, model, cache, plan: _Plan, st: _Rows, graphs: bool):
         self.model, self.cache, self.plan, self.st = model, cache, plan, st
-        self.graphs, self.pool = ({} if graphs else None), None
+        self.graphs, self.pool, self.cache_kw = ({} if graphs else None), None, _cache_kwarg(model)
 
     def forward(self, n: int, groups: tuple) -> None:
         st, p = self.st, self.plan
@@ -774,7 +774,7 @@ class _Decoder:
         p.rows, p.width, p.at = n, max(w for _, _, w in groups), pos
         mask = (p.span[:p.width] <= pos[:, None])[:, None, None]     # (n, 1, 1, W): each row its own columns
         out = self.model(input_ids=st.tok[:n, None], attention_mask=mask, position_ids=pos[:, None], use_cache=True,
-                         row_groups=groups, **{_cache_kwarg(self.model): self.cache})
+                         row_groups=groups, **{self.cache_kw: self.cache})
         st.logits[:n] = out.logits[:, -1]                            # (n, V) fp32
 
     def __call__(self, n: int, groups: tuple) -> None:
