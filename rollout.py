@@ -31,10 +31,11 @@ How `generate`'s rows share memory (dense cache rows, chosen for plain torch + H
   A decode step writes every row's new K/V at its own column (one indexed write per layer).
 - attention follows each row's own width: the rows in flight sit widest first (re-sorted at
   each refill; all grow by one column a step, so the order holds), the step's rows are cut
-  into up to ATTN_GROUPS runs, and each run attends only its widest row's columns, rounded up
-  to WIDTH_BUCKET; a (rows, 1, 1, W) mask `column <= own column` hides the rest. The model's
-  attention is `decode_attention` for the call (registered in transformers' AttentionInterface):
-  it folds each KV head's query heads into the query axis, so no K/V is copied per head.
+  into runs (ATTN_GROUPS, GROUP_ROWS: one row a run on CPU, 32 or more on CUDA), and each run
+  attends only its widest row's columns, rounded up to WIDTH_BUCKET (128 on CUDA); a (rows, 1,
+  1, W) mask `column <= own column` hides the rest. The model's attention is
+  `decode_attention` for the call (registered in transformers' AttentionInterface): it folds
+  each KV head's query heads into the query axis, so no K/V is copied per head.
 - when a row stops, its cache row goes to the next waiting prompt. Newcomers are prefilled
   together through the same cache object (no second cache). They are admitted once REFILL_AT
   (1/16) of the rows are free: a prefill forward of a few rows costs about as much as a decode
@@ -86,8 +87,10 @@ KV_FRACTION = 0.85         # share of free CUDA memory (after loading) for the K
 PREFILL_TOKENS = 32768     # padded prompt tokens per prefill forward (bounds its activations)
 REFILL_AT = 1 / 16         # admit newcomers once this share of the rows is free (see _refill)
 STOP_EVERY = 4             # decode steps between the host's reads of which rows stopped
-ATTN_GROUPS = 8            # row groups a decode step's attention is cut into (see _groups)
-WIDTH_BUCKET = 128         # attended widths are rounded up to a multiple of this (a CUDA graph each)
+ATTN_GROUPS = 32           # at most this many row groups in a decode step's attention (see _groups)
+GROUP_ROWS = {"cuda": 32, "cpu": 1}     # least rows in a row group: on CUDA SDPA runs one thread block
+                                        # per (row, KV head), and fewer than ~256 leave SMs idle
+WIDTH_BUCKET = {"cuda": 128, "cpu": 1}  # attended widths round up to a multiple: on CUDA a graph each
 
 
 @dataclass
@@ -523,17 +526,18 @@ def _row_bucket(n: int, cap: int) -> int:
 
 
 def _groups(st: _Rows, length: int) -> tuple:
-    """((start, end, w), ...): the step's n rows cut into up to ATTN_GROUPS runs of equal size,
-    each attending its widest busy row's columns rounded up to WIDTH_BUCKET (at most `length`);
-    neighbouring runs of one width merge. Rows sit widest first, so a short row is attended
-    with rows about as short, and a step costs about the sum of its rows' own widths."""
-    n = st.n
+    """((start, end, w), ...): the step's n rows cut into up to ATTN_GROUPS runs of equal size
+    (at least GROUP_ROWS rows), each attending its widest busy row's columns rounded up to
+    WIDTH_BUCKET (at most `length`); neighbouring runs of one width merge. Rows sit widest
+    first, so a short row is attended with rows about as short, and a step costs about the
+    sum of its rows' own widths."""
+    n, kind = st.n, "cuda" if st.d.device.type == "cuda" else "cpu"
     width = (st.pos[:n] + 1) * st.busy[:n]               # (n,) host counters: no sync
-    size = -(-n // min(ATTN_GROUPS, n))
+    size, bucket = max(-(-n // ATTN_GROUPS), GROUP_ROWS[kind]), WIDTH_BUCKET[kind]
     out = []
     for a in range(0, n, size):
         b = min(a + size, n)
-        w = min(length, max(1, -(-int(width[a:b].max()) // WIDTH_BUCKET)) * WIDTH_BUCKET)
+        w = min(length, max(1, -(-int(width[a:b].max()) // bucket)) * bucket)
         if out and out[-1][2] == w:
             out[-1] = (out[-1][0], b, w)
         else:

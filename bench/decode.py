@@ -1,7 +1,7 @@
 """The decode step of rollout.generate: its time, its kernel-launching ops and its host syncs,
 in this checkout or another one, so a change is measured against the code before it in one run.
 
-    python bench/decode.py --section mixed --compare /path/to/older/checkout    # CPU, about 4 minutes
+    python bench/decode.py --section mixed --compare /path/to/older/checkout    # CPU, ~10 CPU-minutes (prefills)
     python bench/decode.py --section ops --compare /path/to/older/checkout      # 0.6B shape, LoRA r64
     python bench/decode.py --section paper --device cuda                        # 120 rows, W = 512 / 2,560 / 5,120
     python bench/decode.py --section compile                                    # torch.compile(fullgraph=True)
@@ -134,6 +134,13 @@ def count_ops_and_syncs(fn):
     return counts["ops"], counts["forward"], counts["syncs"]
 
 
+def as_on_cuda(rollout):
+    """Cut the decode attention into row groups as on CUDA (counts then match a GPU's)."""
+    for name in ("GROUP_ROWS", "WIDTH_BUCKET"):
+        if isinstance(getattr(rollout, name, None), dict):
+            getattr(rollout, name)["cpu"] = getattr(rollout, name)["cuda"]
+
+
 def lora_model(rollout, policies, config: dict, device: str, dtype):
     """A random model of `config` with a LoRA r64 adapter (random B) active through the hooks."""
     import torch
@@ -162,6 +169,7 @@ def ops(args, rollout, policies):
     from generate import CONFIGS
     torch.set_grad_enabled(False)
     model = lora_model(rollout, policies, CONFIGS[args.config], "cpu", torch.bfloat16)
+    as_on_cuda(rollout)
     prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(4)]
     undo = wrap(*decode_forward(rollout), lambda: INSIDE.__setitem__(0, True), lambda: INSIDE.__setitem__(0, False))
     n_ops, n_forward, n_syncs = per_step(rollout, model, prompts, 4, 12, count_ops_and_syncs)
@@ -191,8 +199,8 @@ def paper(args, rollout, policies):
         out[f"W={W}"] = {"ms_per_step": ms}
         print(f"  W={W}: {ms:.2f} ms/step ({args.rows} rows)", flush=True)
     small = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(4)]
-    if not cuda:   # counting under a dispatch mode is slow: on a small copy of the workload
-        out["ops_per_step"], _, out["syncs_per_step"] = per_step(rollout, model, small, 4, 8, count_ops_and_syncs)
+    as_on_cuda(rollout)   # counting under a dispatch mode is slow: on a small copy of the workload
+    out["ops_per_step"], _, out["syncs_per_step"] = per_step(rollout, model, small, 4, 8, count_ops_and_syncs)
     return out
 
 

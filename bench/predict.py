@@ -53,13 +53,14 @@ CONSTANTS = dict(
     embed=1536,             # --max-embed-tokens: each solution in the aggregator's prompt
     agg_len=400,            # aggregator completion, mean tokens
     wmax_frac=0.85,         # before: the widest busy row's column, as a share of prompt + cap
-    group_over=1.10,        # after: attended / own widths (width groups of 8, rounded to 128)
+    group_over=1.56,        # after: attended / own widths: 4 groups of 30 rows at 120 rows (GROUP_ROWS_CUDA),
+                            # widths rounded to 128 (simulated for the lengths above)
     problems=64, rollouts=8,
 )
 
 
 def lengths(c):
-    """(E[len], E[len^2], the longest of n rows) of the generator completions: a lognormal cut at cap."""
+    """(E[len], E[len^2], the longest) of the generator completions: a lognormal cut at cap."""
     xs = [min(c["cap"], math.exp(math.log(c["median_len"]) + c["sigma"] * z / 10)) for z in range(-40, 41)]
     ws = [math.exp(-0.5 * (z / 10) ** 2) for z in range(-40, 41)]
     m1 = sum(w * x for w, x in zip(ws, xs)) / sum(ws)

@@ -461,9 +461,11 @@ MIXED_LIMITS = LIMITS + [6, 13]
 
 @pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
 def test_rows_attended_in_width_groups_sample_what_generate_simple_does(build, monkeypatch):
-    # widths rounded to 2 columns and 4 row groups: steps attend several groups of their own
-    # widths, the rows re-sorted at every refill; greedy and keyed sampling must not notice
-    monkeypatch.setattr(rollout, "WIDTH_BUCKET", 2)
+    # widths rounded to 2 columns and row groups of 2 or more rows, as on CUDA: steps attend
+    # several groups of their own widths, the rows re-sorted at every refill; greedy and keyed
+    # sampling must not notice
+    monkeypatch.setitem(rollout.WIDTH_BUCKET, "cpu", 2)
+    monkeypatch.setitem(rollout.GROUP_ROWS, "cpu", 2)
     monkeypatch.setattr(rollout, "ATTN_GROUPS", 4)
     seen, sorted_rows, groups = [], [], rollout._groups
 
