@@ -159,6 +159,8 @@ def per_step(rollout, model, prompts, short: int, long: int, measure):
         stats = {}
         return lambda: rollout.generate(model, prompts, n, [-1], 0, temperature=0.7, seed=1, stats=stats), stats
     (fs, ss), (fl, sl) = run(short), run(long)
+    fs()                                     # warm-up: lazy set-ups (the adapters' bf16 copies) happen here
+    ss.clear()
     a, b = measure(fs), measure(fl)
     steps = sl["decode_steps"] - ss["decode_steps"]
     return [(y - x) / steps for x, y in zip(a, b)]
