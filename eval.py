@@ -426,7 +426,7 @@ def _draws(args, cfg: dict, checkpoint) -> dict:
     step = None
     if checkpoint and os.path.isfile(os.path.join(checkpoint, "state.pt")) and "seed" in cfg:
         import torch
-        step = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=False)["step"]
+        step = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=False, map_location="cpu")["step"]
     seed = args.seed if args.seed is not None else cfg.get("seed", 0) if step is not None else 0
     batch = args.batch_size or (cfg["problems_per_step"] * cfg["group_size"] if step is not None and
                                 "problems_per_step" in cfg else 16)

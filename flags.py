@@ -28,7 +28,7 @@ SCALE_DEFAULTS = {
 # 1e-6 is the usual full-parameter GRPO rate at real scales)
 LR = {"lora": (1e-3, 2e-5), "full": (1e-4, 1e-6)}
 # flags that may change on --resume: the rest of the saved configuration wins
-RESUMABLE = ("resume", "steps", "device", "quiet", "log_to", "kv_budget_gb")
+RESUMABLE = ("resume", "steps", "device", "quiet", "log_to", "kv_budget_gb", "cuda_graphs")
 
 
 def scale_default(name):
@@ -113,8 +113,11 @@ def _rollout_flags(g):
                    "attempt) embedded in a later prompt keeps at most this many tokens, its head and tail, 0 for no "
                    "limit (default: none at --scale toy, %d otherwise)" % tasks.MAX_EMBED_TOKENS)
     g.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache a generate call may hold, GiB (default: "
-                   "half of the GPU memory left free after loading on CUDA, 4 on CPU; printed at start)")
+                   "0.85 (rollout.KV_FRACTION) of the GPU memory left free after loading on CUDA, 4 on CPU; printed at start)")
     g.add_argument("--max-rows", type=int, default=None, help="most rows decoded at once (default: as many as the KV budget holds)")
+    g.add_argument("--cuda-graphs", default="on", choices=["on", "off"], help="on CUDA, replay each decode step "
+                   "shape from a CUDA graph captured on first use; off: every step eager (default: %(default)s; "
+                   "no effect on CPU)")
 
 
 def _optimisation_flags(g):

@@ -11,6 +11,9 @@ Choices, each a flag of train.py:
   so a fresh adapter leaves the base unchanged. The adapters live here, not inside the model:
   one forward hook per linear layer adds the delta of the *active* adapter, so the model object
   stays a plain Hugging Face model (save_pretrained, generate and KL-to-base keep working).
+  The delta is computed in the base's dtype, x A^T then one addmm (B^T, scale, add); the
+  adapters' parameters stay fp32. A bf16 base (the default on CUDA) adds the small delta in
+  bf16. On CUDA, fp32 matmuls may use TF32 (set in `load`).
 - `--sharing shared`: one adapter "shared" for every role. `--sharing isolated`: one adapter per
   role type (the 3 voters share "generator", all workers share "worker").
 - `--isolation full`: instead of adapters, a full trainable copy of the model per adapter name
@@ -63,6 +66,9 @@ def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_
 
     if dtype is None:  # bf16 on GPU as in the paper; fp32 on CPU where bf16 matmuls are slow
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if str(device).startswith("cuda"):  # fp32 matmuls (the adapters' update, an fp32 base) in TF32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     check_scale(scale)
     reading = contextlib.nullcontext()
     if scale == "toy":
@@ -131,6 +137,7 @@ class LoRA(nn.Module):
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         self.targets = lora_targets(model)
         self.active = None  # None (base), a name, or a list of names, one per row
+        self._cast = {}     # (name, layer, dtype) -> [versions, A, B]: see weights
         # per adapter name, one parameter list aligned with `targets` (module names contain
         # dots, which parameter-dict keys may not)
         self.A = nn.ModuleDict()
@@ -151,16 +158,34 @@ class LoRA(nn.Module):
             B.append(nn.Parameter(torch.zeros(m.out_features, self.rank, device=p.device)))
         self.A[name], self.B[name] = A, B
 
+    def weights(self, name: str, i: int, dtype):
+        """(A, B) of adapter `name` at layer i in `dtype` (the base's): the fp32 parameters, or
+        casts that carry the gradient back when grad is on, else copies kept until a parameter
+        changes (its version moves), refreshed in place so a CUDA graph reads the same memory."""
+        A, B = self.A[name][i], self.B[name][i]
+        if dtype == A.dtype or torch.is_grad_enabled():
+            return A.to(dtype), B.to(dtype)
+        held = self._cast.get((name, i, dtype))
+        if held is None:
+            held = self._cast[name, i, dtype] = [None, A.detach().to(dtype), B.detach().to(dtype)]
+        if held[0] != (A._version, B._version):
+            held[0] = (A._version, B._version)
+            held[1].copy_(A)
+            held[2].copy_(B)
+        return held[1], held[2]
+
     def delta(self, name: str, i: int, x):
-        # fp32 adapters on a bf16 base: compute in fp32, return in the base's dtype
-        return (x.float() @ self.A[name][i].t() @ self.B[name][i].t() * self.scale).to(x.dtype)
+        """scale x A^T B^T (N..., out) in x's dtype."""
+        A, B = self.weights(name, i, x.dtype)
+        return x @ A.t() @ B.t() * self.scale
 
     def add_delta(self, name: str, i: int, x, out):
-        """out + scale * x A^T B^T as one fused multiply-add (the common fp32 case), else via delta."""
-        if x.dtype != torch.float32 or out.dtype != torch.float32:
-            return out + self.delta(name, i, x)
-        u = x.reshape(-1, x.shape[-1]) @ self.A[name][i].t()                  # (N, r)
-        y = torch.addmm(out.reshape(-1, out.shape[-1]), u, self.B[name][i].t(), alpha=self.scale)
+        """out + scale x A^T B^T in the base's dtype: x A^T (N, r), then one addmm that multiplies
+        by B^T, scales and adds to the base's output. On a bf16 base the small delta is added in
+        bf16, so a delta far below the output's bf16 resolution is lost (as in every bf16 LoRA)."""
+        A, B = self.weights(name, i, out.dtype)
+        u = x.reshape(-1, x.shape[-1]) @ A.t()                                  # (N, r)
+        y = torch.addmm(out.reshape(-1, out.shape[-1]), u, B.t(), alpha=self.scale)  # (N, out)
         return y.view(out.shape)
 
     def _hook(self, i: int):
@@ -323,23 +348,3 @@ class Policy(nn.Module):
             self.model.save_pretrained(folder, state_dict=sd)
         self.tokenizer.save_pretrained(folder)
 
-
-def memory_plan(policy, kv_budget: int, args) -> str:
-    """One line of memory: weights, trainable weights with AdamW states, the KV budget and the
-    rows it holds at the length limits, and the training micro-batch; a user sees at once
-    whether the run fits. The prompt length is the limit, else the longest prompt expected: an
-    aggregator's three clipped solutions plus ~512 tokens of instruction and problem."""
-    import rollout
-    a, p = args, policy
-    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-    weights = sum(t.numel() * t.element_size() for t in p.model.parameters())
-    trainable = sum(t.numel() for n in p.names for t in p.parameters_of(n))
-    cfg, size = p.model.config, next(p.model.parameters()).element_size()
-    per_tok = rollout.kv_bytes_per_token(cfg, next(p.model.parameters()).dtype)
-    prompt = a.max_prompt_tokens or 3 * (a.max_embed_tokens or a.max_new_tokens) + 512
-    logits = a.token_budget * cfg.vocab_size * 2 * size        # the logits and their gradient
-    acts = a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size
-    return (f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
-            f"{gib(16 * trainable)} | {rollout.kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens)} "
-            f"({per_tok / 1024:.0f} KiB a token) | micro-batch {a.token_budget} tokens: logits + grad {gib(logits)}, "
-            f"layer inputs {gib(acts)}{' (checkpointed)' if p.checkpointing else ' + every activation'}")

@@ -269,7 +269,7 @@ def restore(run, ck, step):
     accuracy is ckpt-best's, or none when the resume removed it."""
     import torch
     run.policy.load_adapters(ck)
-    st = torch.load(os.path.join(ck, "state.pt"), weights_only=False)
+    st = torch.load(os.path.join(ck, "state.pt"), weights_only=False, map_location="cpu")  # optimizers move it to their parameters
     for k in run.optimizers:
         run.optimizers[k].load_state_dict(st["optimizers"][k])
         run.schedulers[k].load_state_dict(st["schedulers"][k])
@@ -277,7 +277,7 @@ def restore(run, ck, step):
         run.damp.load_state_dict(st["damp"], device=run.policy.model.device)
     best = os.path.join(run.args.out, "ckpt-best", "state.pt")
     run.start = step
-    run.best = torch.load(best, weights_only=False)["best"] if os.path.isfile(best) else -1.0
+    run.best = torch.load(best, weights_only=False, map_location="cpu")["best"] if os.path.isfile(best) else -1.0
     accs = [r["acc"] for r in read_jsonl(run.files["eval"])]
     run.last_acc = accs[-1] if accs else None
 

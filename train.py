@@ -78,7 +78,7 @@ def llm_from_flags(policy, args, kv_budget):
     return rollout.make_llm(policy, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                             seed=args.seed, max_rows=args.max_rows, kv_budget=kv_budget,
-                            max_embed_tokens=args.max_embed_tokens)
+                            max_embed_tokens=args.max_embed_tokens, cuda_graphs=args.cuda_graphs == "on")
 
 
 def setup(args, comm=None):
@@ -121,11 +121,11 @@ def setup(args, comm=None):
 
 def start_run(args, comm):
     """Set up, print the memory plan, open the run folder, and evaluate step 0 if fresh."""
-    import policies
+    import rollout
     try:
         run = setup(args, comm)
         if run.main:
-            print(policies.memory_plan(run.policy, run.kv_budget, args))
+            print(rollout.memory_plan(run.policy, run.kv_budget, args))
         runfolder.open_run(run)
     except KeyboardInterrupt:
         print("interrupted while setting up: nothing to save", file=sys.stderr)

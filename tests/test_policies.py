@@ -162,3 +162,40 @@ def test_inference_folds_the_adapter_in_and_puts_the_base_back_exactly():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in base.items())   # the base as it was
     with pol.inference("shared") as m:                           # with grad enabled: the hooks, not a fold
         assert pol.lora.active == "shared"
+
+
+def test_lora_in_bf16_is_two_matmuls_on_casts_kept_until_the_adapter_changes():
+    from torch.utils._python_dispatch import TorchDispatchMode
+    model = tiny_qwen3(seed=0).to(torch.bfloat16)
+    pol = policies.Policy(model, None, ("generator",), "shared", rank=4, alpha=8)
+    randomise(pol, "shared")
+    lin = next(iter(pol.lora.targets.values()))
+    x = torch.randn(3, lin.in_features, dtype=torch.bfloat16)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+    with torch.no_grad(), pol.using("shared"):
+        lin(x)                                                 # the first call makes the bf16 copies
+        with Ops() as seen:
+            out = lin(x)
+        assert [o for o in seen.ops if o not in ("view", "t", "_unsafe_view")] == ["mm", "mm", "addmm"]  # base, x A^T, + B^T
+        with pol.using(None):
+            base = lin(x)
+    A, B = pol.lora.A["shared"][0], pol.lora.B["shared"][0]
+    want = base.float() + pol.lora.scale * (x.float() @ A.t().bfloat16().float() @ B.t().bfloat16().float())
+    assert torch.allclose(out.float(), want, atol=0.05, rtol=0.02)
+    with torch.no_grad():                                      # an optimizer step changes the adapter in place
+        B.add_(0.5)
+        with pol.using("shared"):
+            again = lin(x)
+    with pol.using("shared"):                                  # with grad: casts of the fp32 parameters
+        graded = lin(x)
+        graded.float().square().sum().backward()
+    assert torch.equal(again, graded.detach()) and not torch.equal(again, out)
+    assert A.grad is not None and A.grad.dtype == torch.float32

@@ -1,5 +1,7 @@
 """rollout.generate against model.generate, the plain rollout.generate_simple, a teacher-forced
 recompute, and itself."""
+from collections import Counter
+
 import pytest
 import torch
 
@@ -152,7 +154,7 @@ def test_greedy_in_a_small_budget_matches_hf_generate_alone():
         stop = [int(free.tokens[0, 2]), 63]  # row 0 stops at step 2, others when they emit it
         stats = {}
         g = rollout.generate(m, MANY, LIMITS, stop, PAD, temperature=0, kv_budget=budget_for(m, 3), stats=stats)
-        assert stats["slots"] == 3 and g.finished.any() and not g.finished.all()
+        assert stats["rows"] == 3 and g.finished.any() and not g.finished.all()
         for i, (p, limit) in enumerate(zip(MANY, LIMITS)):
             ref = hf_alone(m, p, limit, stop)
             assert torch.equal(g.tokens[i][g.mask[i]], ref), i
@@ -180,7 +182,7 @@ def test_identical_prompts_prefilled_once_across_refills():
         stats = {}
         runs[share] = rollout.generate(m, prompts, limits, STOP, PAD, temperature=1.0, seed=1,
                                        share_prefix=share, kv_budget=budget, stats=stats)
-        assert stats["slots"] == 4
+        assert stats["rows"] == 4
         assert stats["prefill_rows"] == (3 if share else 15)
     assert torch.equal(runs[True].tokens, runs[False].tokens)
     assert torch.allclose(runs[True].logprobs, runs[False].logprobs, atol=1e-5)
@@ -234,7 +236,7 @@ def test_kv_memory_held_never_exceeds_the_budget():
                              seed=0)
             assert held and max(held) <= budget
             assert max(held) > budget * (rows - 1) / rows  # the budget is used, not wasted
-            assert stats["kv_bytes"] == max(held) and stats["slots"] == rows
+            assert stats["kv_bytes"] == max(held) and stats["rows"] == rows
     finally:
         hook.remove()
 
@@ -272,18 +274,18 @@ def test_top_p_exact_tie_keeps_only_the_smallest_prefix():
     assert set(ids.tolist()) == {0, 1}
 
 
-def test_a_short_prompt_with_a_long_limit_is_never_padded_past_its_room():
-    # the long prompt wants few tokens, the short one many: slots are sized for the short one's
-    # need (2 + 20), so it must neither share a prefill chunk padded to the long prompt's 10
-    # tokens, nor (admitted later) copy a slot whose prompt sits behind 8 columns of padding
+def test_a_short_prompt_with_a_long_limit_beside_a_long_prompt():
+    # the long prompt wants few tokens, the short one many: rows are sized for the short one's
+    # need (2 + 20). Prompts are written from column 0 whatever their prefill chunk's padding,
+    # so the short prompt may share a chunk with the long one, and a later copy of it may take
+    # its K/V from any row that holds it (one prefill per distinct prompt)
     m = tiny_qwen3(seed=6)
     long, short = list(range(20, 30)), [5, 6]
-    for prompts, limits, prefills in [([long, short], [2, 20], 2),  # one refill, two chunks
-                                      ([long, short, short, short], [2, 2, 20, 20], 3)]:  # no copy
+    for prompts, limits in [([long, short], [2, 20]), ([long, short, short, short], [2, 2, 20, 20])]:
         stats = {}
         g = rollout.generate(m, prompts, limits, [63], PAD, temperature=0,
                              kv_budget=budget_for(m, 2, prompts, limits), stats=stats)
-        assert stats["slots"] == 2 and stats["prefill_rows"] == prefills
+        assert stats["rows"] == 2 and stats["prefill_rows"] == 2
         for i, (p, limit) in enumerate(zip(prompts, limits)):
             assert torch.equal(g.tokens[i][g.mask[i]], hf_alone(m, p, limit, [63])), i
 
@@ -308,11 +310,11 @@ def test_generate_equals_generate_simple_greedy_through_refills(build, seed):
     assert simple.finished.any() and cut.any()  # rows that hit a stop id and rows cut at their limit
     assert torch.equal(n[cut], torch.tensor(LIMITS)[cut])
     assert all(int(simple.tokens[i, n[i] - 1]) in stop for i in simple.finished.nonzero()[:, 0])
-    for rows in (1, 3):  # ten prompts through one or three slots: the slots refill
+    for rows in (1, 3):  # ten prompts through one or three cache rows: the rows refill
         stats = {}
         fast = rollout.generate(m, MANY, LIMITS, stop, PAD, temperature=0, kv_budget=budget_for(m, rows),
                                 stats=stats)
-        assert stats["slots"] == rows
+        assert stats["rows"] == rows
         assert_same_generation(fast, simple)
 
 
@@ -333,9 +335,9 @@ def test_generate_simple_is_seeded_and_its_logprobs_equal_teacher_forced_recompu
 # ----------------------------------------------------------------------------- draws keyed by the row
 
 @pytest.mark.parametrize("build,seed", [(tiny_qwen3, 0), (tiny_llama, 0)])
-def test_sampling_equals_generate_simple_token_for_token_whatever_the_slots(build, seed):
+def test_sampling_equals_generate_simple_token_for_token_whatever_the_rows(build, seed):
     # temperature 0.7 and top-p 0.9: each row's draws are keyed by (seed, its key, position),
-    # so neither the slot a row gets, nor the refills, nor the rows beside it change a token
+    # so neither the cache row a row gets, nor the refills, nor the rows beside it change a token
     m = build(seed=seed)
     keys = [seeds.key("problem", i // 2, i % 2) for i in range(len(MANY))]
     simple = rollout.generate_simple(m, MANY, LIMITS, STOP, PAD, temperature=0.7, top_p=0.9, seed=5, keys=keys)
@@ -430,3 +432,135 @@ def test_the_draw_is_the_exact_distribution_over_a_qwen3_vocabulary(kind, monkey
     ids2, lp = rollout.sample_next(logits.expand(200, V), 0.7, 1.0, u[:200])
     assert torch.equal(ids2, ids[:200])
     assert torch.allclose(lp, torch.log(exact[ids2]).float(), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the decode step
+
+def test_decode_attention_equals_transformers_sdpa_and_eager_attention():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
+    m = tiny_qwen3(hidden=64, heads=8, kv_heads=2)              # 4 query heads per KV head
+    attn = m.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    n, W, D = 6, 11, attn.head_dim
+    q, k, v = (torch.randn(n, h, t, D, generator=g) for h, t in ((8, 1), (2, W), (2, W)))
+    width = torch.tensor([11, 9, 7, 4, 2, 1])                    # rows widest first, as generate keeps them
+    mask = (torch.arange(W) < width[:, None])[:, None, None]    # (n, 1, 1, W)
+    ref, _ = sdpa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
+    eager, _ = eager_attention_forward(attn, q, k, v, torch.zeros(mask.shape).masked_fill(~mask, float("-inf")),
+                                       scaling=attn.scaling)
+    for groups in (None, ((0, 2, 11), (2, 4, 8), (4, 6, 2))):
+        ours, _ = rollout.decode_attention(attn, q, k, v, mask, scaling=attn.scaling, row_groups=groups)
+        assert ours.shape == ref.shape == (n, 1, 8, D)
+        assert float((ours - ref).abs().max()) < 1e-6 and float((ours - eager).abs().max()) < 1e-6
+
+
+MIXED = MANY + [list(range(3, 40)), list(range(7, 25))]   # two long prompts among short ones
+MIXED_LIMITS = LIMITS + [6, 13]
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+def test_rows_attended_in_width_groups_sample_what_generate_simple_does(build, monkeypatch):
+    # widths rounded to 2 columns and row groups of 2 or more rows, as on CUDA: steps attend
+    # several groups of their own widths, the rows re-sorted at every refill; greedy and keyed
+    # sampling must not notice
+    monkeypatch.setitem(rollout.WIDTH_BUCKET, "cpu", 2)
+    monkeypatch.setitem(rollout.GROUP_ROWS, "cpu", 2)
+    monkeypatch.setattr(rollout, "ATTN_GROUPS", 4)
+    seen, sorted_rows, groups = [], [], rollout._groups
+
+    def watched(st, length):
+        busy = st.busy[:st.n] == 1
+        width = (st.pos[:st.n] + 1)[busy]                       # the rows in flight, in cache order
+        sorted_rows.append(bool((width[:-1] >= width[1:]).all()) and busy.sum() == st.busy.sum())
+        seen.append(groups(st, length))
+        return seen[-1]
+    monkeypatch.setattr(rollout, "_groups", watched)
+    m = build(seed=0)
+    keys = [seeds.key("mixed", i) for i in range(len(MIXED))]
+    for temperature, top_p in ((0, 1.0), (0.7, 0.9)):
+        simple = rollout.generate_simple(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=temperature, top_p=top_p,
+                                         seed=3, keys=keys)
+        for rows in (2, 5, None):
+            fast = rollout.generate(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=temperature, top_p=top_p, seed=3,
+                                    keys=keys, kv_budget=None if rows is None else budget_for(m, rows, MIXED, MIXED_LIMITS))
+            assert_same_generation(fast, simple)
+    assert max(len({w for _, _, w in gr}) for gr in seen) >= 3   # steps did attend several widths
+    assert all(sorted_rows)                                       # widest first, all within the step
+
+
+SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+
+def test_no_host_sync_inside_a_decode_step_and_the_stop_check_read_once_every_4_steps(monkeypatch):
+    m = tiny_qwen3(seed=2)
+    count, where = Counter(), ["loop"]
+    for name in SYNCS:
+        def counted(self, *a, _real=getattr(torch.Tensor, name), **k):
+            count[where[0]] += 1
+            return _real(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for owner, name in ((rollout._Decoder, "forward"), (rollout, "_sample")):
+        def inside(*a, _real=getattr(owner, name), **k):
+            where[0] = "step"
+            try:
+                return _real(*a, **k)
+            finally:
+                where[0] = "loop"
+        monkeypatch.setattr(owner, name, inside)
+    stats = {}
+    rollout.generate(m, MIXED * 2, MIXED_LIMITS * 2, STOP, PAD, temperature=0.7, seed=0,
+                     kv_budget=budget_for(m, 5, MIXED, MIXED_LIMITS), stats=stats)
+    monkeypatch.undo()
+    steps = stats["decode_steps"]
+    assert steps >= 40 and stats["rows"] == 5
+    assert count["step"] == 0                          # sampling, the forward and the counters
+    assert count["loop"] <= steps // 4 + 1 + 1         # the stop check's reads, the output's length
+
+
+def test_no_repeat_kv_in_a_decode_step_on_any_transformers_version(monkeypatch):
+    # transformers 5.17's SDPA path repeats each KV head for its query heads in decode
+    # (repeat_kv); generate's decode attention folds the query heads instead
+    import importlib
+    calls, where = Counter(), ["other"]
+    for name in ("transformers.integrations.sdpa_attention", "transformers.models.qwen3.modeling_qwen3",
+                 "transformers.models.llama.modeling_llama"):
+        mod = importlib.import_module(name)
+        if hasattr(mod, "repeat_kv"):
+            real = mod.repeat_kv
+            monkeypatch.setattr(mod, "repeat_kv", lambda *a, _r=real, **k: calls.update([where[0]]) or _r(*a, **k))
+    forward = rollout._Decoder.forward
+
+    def decoding(*a, **k):
+        where[0] = "decode"
+        try:
+            return forward(*a, **k)
+        finally:
+            where[0] = "other"
+    monkeypatch.setattr(rollout._Decoder, "forward", decoding)
+    for m in (tiny_qwen3(seed=1), tiny_llama(seed=1)):
+        rollout.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, kv_budget=budget_for(m, 3))
+        m.config._attn_implementation = "eager"          # the patch does see a repeat_kv call
+        m(input_ids=torch.tensor([[3, 4]]))
+    assert calls["decode"] == 0 and calls["other"] >= 2
+
+
+def test_make_llm_fast_and_simple_samplers_give_the_same_calls(tmp_path):
+    import policies
+    from conftest import save_tiny_toy_model
+    model, tok = policies.load(save_tiny_toy_model(tmp_path / "m"))
+    pol = policies.Policy(model, tok, ("generator",), "shared", rank=4, alpha=8)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in pol.parameters_of("shared"):
+            p.normal_(0, 0.1)
+    msgs = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((1, 2), (3, 45), (67, 8), (1, 2))]
+    keys = [("p", i) for i in range(len(msgs))]
+    bpt = rollout.kv_bytes_per_token(model.config, model.dtype)
+    calls = {s: rollout.make_llm(pol, sampler=s, temperature=0.7, max_new_tokens=9, kv_budget=2 * 60 * bpt)(
+        "generator", ["generator"] * len(msgs), msgs, keys=keys) for s in ("fast", "simple")}
+    for a, b in zip(calls["fast"], calls["simple"]):
+        assert a.completion_ids == b.completion_ids and a.finished == b.finished and a.text == b.text
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    with pytest.raises(ValueError, match="sampler"):
+        rollout.make_llm(pol, sampler="vllm")

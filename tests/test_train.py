@@ -137,22 +137,22 @@ def test_ctrl_c_then_resume_equals_an_uninterrupted_run(model_dir, tmp_path, mon
 
 
 def test_a_run_in_a_kv_budget_of_three_rows_equals_one_with_every_row_in_flight(model_dir, tmp_path, monkeypatch):
-    # a row's draws are keyed by (seed, step, problem, rollout, call, position), so the slots a
-    # small budget gives change nothing: the longest call fits 3 rows at a time
+    # a row's draws are keyed by (seed, step, problem, rollout, call, position), so the cache
+    # rows a small budget gives change nothing: the longest call fits 3 rows at a time
     import rollout
-    real, calls = rollout._slot_count, []
+    real, calls = rollout._row_count, []
 
-    def slot_count(rows, need, bytes_per_token, kv_budget, max_rows):
+    def row_count(rows, need, bytes_per_token, kv_budget, max_rows):
         calls.append((rows, need, real(rows, need, bytes_per_token, kv_budget, max_rows)))
         return calls[-1][2]
-    monkeypatch.setattr(rollout, "_slot_count", slot_count)
+    monkeypatch.setattr(rollout, "_row_count", row_count)
     flags = ["--workflow", "voting", "--sharing", "isolated", "--samples-every", "1"]
     train.main(argv(model_dir, tmp_path / "all", *flags, steps=2))
     need = max(n for _, n, _ in calls)
     calls.clear()
     three = 3 * need * 256 / 2**30        # the tiny model's KV: 2 layers x K and V x 2 heads x 8 x 4 B
     train.main(argv(model_dir, tmp_path / "three", *flags, "--kv-budget-gb", repr(three), steps=2))
-    assert any(rows > slots == 3 for rows, _, slots in calls)   # rows waited for a slot
+    assert any(rows > held == 3 for rows, _, held in calls)   # rows waited for a cache row
     for name in ("metrics", "eval", "samples"):
         assert comparable(read_jsonl(tmp_path / "three" / f"{name}.jsonl")) == \
             comparable(read_jsonl(tmp_path / "all" / f"{name}.jsonl")), name

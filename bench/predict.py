@@ -1,0 +1,153 @@
+"""A prediction, not a measurement: the time of one training step at the paper's settings on one
+H100 or H200, from bytes moved, FLOPs and kernel launches per step, for the decode loop as of
+a64386d ("before") and as it is now ("after").
+
+    python bench/predict.py                       # 0.6B / 1.7B / 4B on H100 and H200
+    python bench/predict.py --workflow single     # one generator call per episode
+
+Every constant it assumes is printed first; change one with --set NAME=VALUE (e.g. --set
+mean_len=2000). The counts per decode step come from bench/decode.py --section ops (the
+0.6B shape, LoRA r64, 28 layers; scaled by layers for 4B); the rest is arithmetic:
+- a stage (all generator calls, then all aggregator calls) decodes with S rows in flight, S
+  what the KV budget holds at prompt + 5,120 columns (budget = KV share x free memory after
+  loading); its steps are the stage's tokens / S, plus a tail of the longest row's length at
+  about S/4 rows;
+- a decode step costs max(host, device): host = kernel-launching ops issued eagerly x the
+  host cost of one op (all of the step before; after, with CUDA graphs, only the sampling and
+  counters outside the graph, plus the Python loop); device = bytes / (bandwidth x efficiency)
+  + kernels x the gap between kernels. Bytes = the weights once, plus the attended K/V: before,
+  every row attends the widest busy row (W_max) and transformers 5.17 (the GPU machine's)
+  copies it g times with repeat_kv (read once, written g times, read g times by SDPA); after,
+  each row attends about its own width (the mean width of a row in flight, E[len^2]/2E[len]
+  past its prompt, plus the width groups' rounding);
+- the update: every sample's prompt + completion through 8 x params FLOPs a token (the old
+  logprobs' forward, the training forward, the checkpointed recompute, the backward to the
+  activations) plus causal attention, at the training efficiency of the GPU's bf16 peak.
+"""
+import argparse
+import math
+
+GPUS = {"H100": dict(hbm_gb=80, tb_s=3.35, tflops=989), "H200": dict(hbm_gb=141, tb_s=4.8, tflops=989)}
+SCALES = {  # params (B), layers, hidden, kv heads, head_dim, query heads
+    "0.6b": dict(params=0.60, layers=28, hidden=1024, kv=8, head_dim=128, heads=16),
+    "1.7b": dict(params=1.72, layers=28, hidden=2048, kv=8, head_dim=128, heads=16),
+    "4b": dict(params=4.02, layers=36, hidden=2560, kv=8, head_dim=128, heads=32),
+}
+CONSTANTS = dict(
+    bw_eff=0.75,            # share of peak HBM bandwidth a decode step's reads reach
+    train_eff=0.40,         # share of peak bf16 FLOP/s the update reaches (MFU)
+    host_us_per_op=9.0,     # host time of one eagerly issued op (PyTorch + transformers' Python), us
+    gap_us_eager=2.5,       # device time between two eagerly launched kernels, us
+    gap_us_graph=1.0,       # device time between two kernels of a replayed CUDA graph, us
+    loop_host_ms=0.5,       # after: the Python of one loop turn outside the graph (schedule, counters), ms
+    ops_before=3408,        # kernel-launching ops per decode step, a64386d (bench/decode.py --section ops)
+    ops_after=2322,         # the same, now, eager
+    ops_after_outside=59,   # now: of them, outside the decode forward (sampling, counters, stop check)
+    kv_share_before=0.5,    # KV budget share of the free memory, before
+    kv_share_after=0.85,    # and now
+    reserved_gb=4.0,        # memory neither the weights nor the KV cache may use (CUDA context, activations)
+    prompt=250,             # generator prompt tokens
+    median_len=900,         # generator completion: lognormal median (tokens) ...
+    sigma=0.9,              # ... and sigma, cut at cap
+    cap=5120,               # max_new_tokens (math)
+    embed=1536,             # --max-embed-tokens: each solution in the aggregator's prompt
+    agg_len=400,            # aggregator completion, mean tokens
+    wmax_frac=0.85,         # before: the widest busy row's column, as a share of prompt + cap
+    group_over=1.56,        # after: attended / own widths: 4 groups of 30 rows at 120 rows (GROUP_ROWS_CUDA),
+                            # widths rounded to 128 (simulated for the lengths above)
+    problems=64, rollouts=8,
+)
+
+
+def lengths(c):
+    """(E[len], E[len^2], the longest) of the generator completions: a lognormal cut at cap."""
+    xs = [min(c["cap"], math.exp(math.log(c["median_len"]) + c["sigma"] * z / 10)) for z in range(-40, 41)]
+    ws = [math.exp(-0.5 * (z / 10) ** 2) for z in range(-40, 41)]
+    m1 = sum(w * x for w, x in zip(ws, xs)) / sum(ws)
+    m2 = sum(w * x * x for w, x in zip(ws, xs)) / sum(ws)
+    return m1, m2, c["cap"]
+
+
+def stage(s, gpu, c, rows, prompt, mean, m2, longest, after):
+    """Seconds of one stage: `rows` calls of `prompt` tokens and `mean` completions."""
+    kvb = 2 * s["layers"] * s["kv"] * s["head_dim"] * 2                        # bf16 K/V bytes a token
+    weights = s["params"] * 2e9
+    free = gpu["hbm_gb"] * 1e9 - weights - c["reserved_gb"] * 1e9
+    held = int(free * c["kv_share_after" if after else "kv_share_before"] // (kvb * (prompt + c["cap"])))
+    S = max(1, min(rows, held))
+    g = s["heads"] // s["kv"]
+    if after:
+        attended = (prompt + m2 / (2 * mean)) * c["group_over"]
+        host = (c["ops_after_outside"] * c["host_us_per_op"] * 1e-6 + c["loop_host_ms"] * 1e-3)
+        gap = c["gap_us_graph"]
+        copies = 1
+    else:
+        attended = (prompt + c["cap"]) * c["wmax_frac"]
+        host = c["ops_before"] * s["layers"] / 28 * c["host_us_per_op"] * 1e-6
+        gap = c["gap_us_eager"]
+        copies = 1 + 2 * g                                                      # repeat_kv on 5.17
+    kernels = (c["ops_after"] if after else c["ops_before"]) * s["layers"] / 28
+
+    def step(n):
+        moved = weights + n * attended * kvb * copies + n * 151936 * 60        # + the sampler's float64 passes
+        device = moved / (gpu["tb_s"] * 1e12 * c["bw_eff"]) + kernels * gap * 1e-6 \
+            + 2 * s["params"] * 1e9 * n / (gpu["tflops"] * 1e12 * 0.5)
+        return max(host, device)
+    full = rows * mean / S
+    tail = longest
+    return full * step(S) + tail * step(max(1, S // 4)), S, step(S)
+
+
+def update_s(s, gpu, c, samples):
+    """Seconds of the update: (tokens per sample, count) pairs through 8 x params FLOPs a token + attention."""
+    flops = 0.0
+    for tokens, n in samples:
+        flops += n * (8 * s["params"] * 1e9 * tokens + 4 * 2 * tokens * tokens * s["heads"] * s["head_dim"] * s["layers"])
+    return flops / (gpu["tflops"] * 1e12 * c["train_eff"])
+
+
+def predict(scale, gpu_name, c, workflow, after):
+    s, gpu = SCALES[scale], GPUS[gpu_name]
+    mean, m2, longest = lengths(c)
+    episodes = c["problems"] * c["rollouts"]
+    voters = 3 if workflow == "voting" else 1
+    gen, S, ms = stage(s, gpu, c, voters * episodes, c["prompt"], mean, m2, longest, after)
+    parts = {"generators": gen}
+    samples = [(c["prompt"] + mean, voters * episodes)]
+    if workflow == "voting":
+        agg_prompt = 3 * min(mean, c["embed"]) + 512
+        parts["aggregator"], _, _ = stage(s, gpu, c, episodes, agg_prompt, c["agg_len"], 2 * c["agg_len"] ** 2,
+                                          4 * c["agg_len"], after)
+        samples.append((agg_prompt + c["agg_len"], episodes))
+    parts["update"] = update_s(s, gpu, c, samples)
+    return parts, S, ms
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workflow", default="voting", choices=["voting", "single"], help="what a step runs")
+    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help="change an assumed constant")
+    args = ap.parse_args()
+    c = dict(CONSTANTS)
+    for kv in args.set:
+        k, v = kv.split("=")
+        c[k] = type(c[k])(float(v))
+    mean, m2, _ = lengths(c)
+    print("assumed:", ", ".join(f"{k}={v:g}" for k, v in c.items()))
+    print("gpus:", ", ".join(f"{k} {v['hbm_gb']} GB {v['tb_s']} TB/s {v['tflops']} TFLOP/s bf16" for k, v in GPUS.items()))
+    print(f"generator completions: mean {mean:.0f} tokens, a row in flight is {m2 / (2 * mean):.0f} past its prompt on average")
+    print(f"\n{args.workflow}, {c['problems']} problems x {c['rollouts']} rollouts; minutes per training step (a prediction)")
+    print(f"{'scale':5s} {'gpu':4s} {'code':6s} {'rows':>5s} {'ms/step':>8s} {'generators':>10s} {'aggregator':>10s} "
+          f"{'update':>7s} {'step':>6s} {'500 steps':>9s}")
+    for scale in SCALES:
+        for gpu in GPUS:
+            for after in (False, True):
+                parts, S, ms = predict(scale, gpu, c, args.workflow, after)
+                total = sum(parts.values())
+                print(f"{scale:5s} {gpu:4s} {'after' if after else 'before':6s} {S:5d} {ms * 1e3:8.1f} "
+                      f"{parts['generators'] / 60:10.1f} {parts.get('aggregator', 0) / 60:10.1f} "
+                      f"{parts['update'] / 60:7.1f} {total / 60:6.1f} {total * 500 / 86400:7.1f} d")
+
+
+if __name__ == "__main__":
+    main()
