@@ -411,7 +411,7 @@ def analyse_run(folder: str, cliff_drop: float = CLIFF_DROP, cliff_window: int =
 CELL_KEYS = ("workflow", "task", "scale", "sharing", "lr", "variant")
 # flags that do not change what a run computes: runs differing only in these (and the seed)
 # are seeds of one cell; any other difference makes another cell (its `variant`)
-SAME_RUN = ("seed", "out", "resume", "device", "quiet", "log_to", "kv_budget_gb", "max_rows", "cuda_graphs", "samples_every",
+SAME_RUN = ("seed", "out", "resume", "device", "quiet", "log_to", "kv_budget_gb", "max_rows", "cuda_graphs", "sampler", "samples_every",
             "save_every")
 CELL_CONFIG = ("workflow", "task", "data", "scale", "sharing", "lr")   # in the cell key already
 

@@ -28,7 +28,7 @@ SCALE_DEFAULTS = {
 # 1e-6 is the usual full-parameter GRPO rate at real scales)
 LR = {"lora": (1e-3, 2e-5), "full": (1e-4, 1e-6)}
 # flags that may change on --resume: the rest of the saved configuration wins
-RESUMABLE = ("resume", "steps", "device", "quiet", "log_to", "kv_budget_gb", "cuda_graphs")
+RESUMABLE = ("resume", "steps", "device", "quiet", "log_to", "kv_budget_gb", "cuda_graphs", "sampler")
 
 
 def scale_default(name):
@@ -118,6 +118,10 @@ def _rollout_flags(g):
     g.add_argument("--cuda-graphs", default="on", choices=["on", "off"], help="on CUDA, replay each decode step "
                    "shape from a CUDA graph captured on first use; off: every step eager (default: %(default)s; "
                    "no effect on CPU)")
+    g.add_argument("--sampler", default="fast", choices=["fast", "simple"], help="fast: rollout.generate, rows "
+                   "refilled as they stop within the KV budget; simple: rollout.generate_simple, the plain lockstep "
+                   "loop of the README's reading path, slower, the same samples (every draw is keyed) "
+                   "(default: %(default)s)")
 
 
 def _optimisation_flags(g):

@@ -78,7 +78,8 @@ def llm_from_flags(policy, args, kv_budget):
     return rollout.make_llm(policy, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                             seed=args.seed, max_rows=args.max_rows, kv_budget=kv_budget,
-                            max_embed_tokens=args.max_embed_tokens, cuda_graphs=args.cuda_graphs == "on")
+                            max_embed_tokens=args.max_embed_tokens, cuda_graphs=args.cuda_graphs == "on",
+                            sampler=args.sampler)
 
 
 def setup(args, comm=None):

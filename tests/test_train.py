@@ -469,15 +469,20 @@ def test_a_workflow_registered_in_workflows_py_alone_trains(model_dir, tmp_path,
     assert s["workflow"] == "best_of_2" and s["base_acc"] is not None
 
 
-def test_the_simple_sampler_runs_the_same_training_as_the_fast_one(model_dir, tmp_path):
+def test_the_simple_sampler_runs_the_same_training_as_the_fast_one(model_dir, tmp_path, monkeypatch):
     """--sampler simple runs rollout.generate_simple, the plain sampler of the reading path;
     the draws are keyed by (seed, step, problem, rollout, call, position), so a run takes the
     same samples and the same steps as with the fast sampler."""
-    runs = {}
+    import rollout
+    calls = []
+    real = rollout.generate_simple
+    monkeypatch.setattr(rollout, "generate_simple", lambda *a, **k: calls.append(1) or real(*a, **k))
+    runs, used = {}, {}
     for sampler in ("fast", "simple"):
         out = tmp_path / sampler
         train.main(argv(model_dir, out, "--workflow", "voting", "--sampler", sampler))
-        runs[sampler] = out
+        runs[sampler], used[sampler] = out, len(calls)
+    assert used["fast"] == 0 and used["simple"] > 0          # each run took the sampler it asked for
     assert (runs["fast"] / "samples.jsonl").read_bytes() == (runs["simple"] / "samples.jsonl").read_bytes()
     assert (runs["fast"] / "eval.jsonl").read_bytes() == (runs["simple"] / "eval.jsonl").read_bytes()
     fast, simple = (read_jsonl(runs[s] / "metrics.jsonl") for s in ("fast", "simple"))
