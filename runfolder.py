@@ -1,6 +1,7 @@
 """The run folder: what a training run writes, and how a stopped or killed run continues.
 
-Files (every field: docs/RUNFOLDER.md): config.json, metrics.jsonl (one object per step),
+Files (every field: docs/RUNFOLDER.md): config.json (with the run's provenance: commit, dirty
+tree, library versions, the base model's sha256), metrics.jsonl (one object per step),
 eval.jsonl, samples.jsonl (transcripts), ckpt-last/ and ckpt-best/ (adapters in PEFT layout +
 optimizer, scheduler and damping states), and `done` at the end. Rank 0 alone writes them.
 

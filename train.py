@@ -8,7 +8,8 @@
 One training step, literally below in `main`:
   1. draw this step's problems (seeded by (seed, step), so a resumed run draws the same ones);
   2. run the workflow G times on each (rollout.py + workflows.py);
-  3. grade each episode's final answer (its task kind's reward, taskkinds.py) and copy the 0/1 reward to every call;
+  3. grade each episode's final answer (its task kind's reward, taskkinds.py) and copy the
+     0/1 reward to every call;
   4. group advantages by (problem, slot) and update each role's weights (grpo.py), with the
      role-level gradient dynamics measured on the way (dynamics.py);
   5. log, evaluate every --eval-every steps, checkpoint every --save-every steps.
