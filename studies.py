@@ -80,6 +80,11 @@ class Study:
 
 
 STUDIES = {
+    "default": Study(
+        "The default run: `python train.py` (Voting / Shared, math, the toy defaults)",
+        lambda cfg: f"{cfg.get('workflow')}, {cfg.get('sharing')}", ["voting, shared"], [],
+        roles=("generator", "aggregator"), mechanisms=["displacement", "len"],
+        runs="MARL_CACHE=<empty folder> python train.py"),
     "amplification": Study(
         "Amplification: Voting / Isolated, math, the number of voters N and two controls",
         _voters,
