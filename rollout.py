@@ -75,8 +75,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-import seeds
 import policies
+import seeds
 from workflows import Call, Episode, run_workflow
 
 CPU_KV_BUDGET = 4 * 2**30  # bytes of KV cache a generate call may hold on CPU by default
@@ -576,10 +576,7 @@ def _move(cache, st: _Rows, perm: np.ndarray) -> None:
     keep = (perm != np.arange(len(perm))) & ((st.busy[perm] == 1) | (st.pid[perm] >= 0))
     moved = np.flatnonzero(keep)
     if len(moved):
-        dst, src, w = _to(moved, st.d.device), _to(perm[moved], st.d.device), int(st.pos[perm[moved]].max()) + 1
-        for layer in cache.layers:   # gathered before written: a row may be both a source and a destination
-            layer.keys[dst, :, :w] = layer.keys[src, :, :w]        # (m, H, w, D)
-            layer.values[dst, :, :w] = layer.values[src, :, :w]
+        _copy_rows(cache, moved, perm[moved], int(st.pos[perm[moved]].max()) + 1)
     p = _to(perm, st.d.device)
     for t in (st.live, st.tok, *([st.logits] if st.logits is not None else [])):
         t.copy_(t[p])                # in place: a CUDA graph holds these buffers
@@ -649,11 +646,11 @@ def _prefill(model, cache, plan, distinct: list, dst: list, src: list, pad_id: i
     return torch.stack(logits)
 
 
-def _copy_prompts(cache, dst: list, src: list, width: int) -> None:
-    """Copy the first `width` columns of rows `src` into rows `dst` (gathered before written,
-    so a row may be both a source and a destination)."""
+def _copy_rows(cache, dst, src, width: int) -> None:
+    """Copy the first `width` columns of cache rows `src` into rows `dst` (host index arrays;
+    gathered before written, so a row may be both a source and a destination)."""
     dev = cache.layers[0].keys.device
-    d, s = _to(np.array(dst), dev), _to(np.array(src), dev)
+    d, s = _to(np.asarray(dst), dev), _to(np.asarray(src), dev)
     for layer in cache.layers:
         layer.keys[d, :, :width] = layer.keys[s, :, :width]        # (N, H, width, D)
         layer.values[d, :, :width] = layer.values[s, :, :width]
@@ -668,7 +665,7 @@ def _first_logits(model, cache, plan, st: _Rows, job: _Job, at, rows, counts):
     copy = [k for k, q in enumerate(pids) if q in held and q in job.first]
     out = [None] * len(rows)
     if copy:  # before the prefill, which may overwrite a holder
-        _copy_prompts(cache, [at[k] for k in copy], [held[pids[k]] for k in copy],
+        _copy_rows(cache, [at[k] for k in copy], [held[pids[k]] for k in copy],
                       max(len(job.prompts[rows[k]]) for k in copy))
         for k in copy:
             out[k] = job.first[pids[k]]
