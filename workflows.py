@@ -200,10 +200,10 @@ def _conversation(history: list[str]) -> list[str]:
 
 def generator_messages(problem: dict, task: str, history: list[str] = ()) -> list[dict]:
     """First answer (empty history), or an Eval-Opt revision given every attempt and feedback."""
-    taskkinds.get(task)
+    kind = taskkinds.get(task)
     if not history:
         return _messages(instruction("generator", task), PROBLEM, problem["prompt"])
-    return _messages(taskkinds.get(task).revision(), PROBLEM, problem["prompt"], *_conversation(history))
+    return _messages(kind.revision(), PROBLEM, problem["prompt"], *_conversation(history))
 
 
 def aggregator_messages(problem: dict, task: str, solutions: list[str]) -> list[dict]:
@@ -348,8 +348,8 @@ def voting(episodes: list[Episode], llm: LLM, task: str, n_voters: int = 3) -> N
 
 
 def eval_opt(episodes: list[Episode], llm: LLM, task: str, max_rounds: int | None = None) -> None:
-    taskkinds.get(task)
-    rounds = taskkinds.get(task).rounds if max_rounds is None else max_rounds
+    kind = taskkinds.get(task)
+    rounds = kind.rounds if max_rounds is None else max_rounds
     if rounds < 0:
         raise ValueError(f"max_rounds must be >= 0, got {max_rounds}")
     history = [[] for _ in episodes]      # per episode: attempt, feedback, attempt, ...
