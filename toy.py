@@ -455,9 +455,9 @@ def sft_batch(tok, task, rng, n, check: int = 0):
 
 @contextlib.contextmanager
 def one_thread():
-    """torch on one intra-op thread inside, as it was after. A float sum split over threads is
-    added in another order, and 520 steps of training turn that last-bit difference into other
-    weights; on one thread the build is the same whatever the caller's thread count."""
+    """torch on one intra-op thread inside, as it was after. A float sum split over threads may
+    be added in another order, and over 520 steps of training a last-bit difference can grow
+    into other weights; on one thread the build does not depend on the caller's thread count."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -383,14 +383,9 @@ def built(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("cache"))
     mp = pytest.MonkeyPatch()
     mp.setattr(toy, "CACHE", cache)
-    threads = torch.get_num_threads()
-    # one thread: for a model this small, OpenMP threads waiting on a core that another
-    # process keeps busy cost ~50x the work itself (measured: 4 s vs 0.06 s a step)
-    torch.set_num_threads(1)
-    try:
+    try:   # the warm start runs on one thread itself (toy.one_thread)
         folder = toy.model_folder("math", TINY, quiet=True)
     finally:
-        torch.set_num_threads(threads)
         mp.undo()
     return cache, folder
 
@@ -412,13 +407,11 @@ def test_model_folder_loads_with_policies(built, tok):
     assert _ids(loaded, text + target) == _ids(tok, text + target)
     assert (loaded.eos_token, loaded.pad_token) == ("<|im_end|>", "<|endoftext|>")
     assert policies.stop_ids(model, loaded) == sorted(_ids(tok, "<|im_end|><|endoftext|>"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see `built`
-    try:
+    # one thread: for a model this small, OpenMP threads waiting on a core that another
+    # process keeps busy cost ~50x the work itself (measured: 4 s vs 0.06 s a step)
+    with toy.one_thread():
         out = model.generate(**loaded(text, return_tensors="pt", add_special_tokens=False), max_new_tokens=3,
                              do_sample=False)
-    finally:
-        torch.set_num_threads(threads)
     assert out.shape[1] <= len(_ids(tok, text)) + 3
 
 
@@ -568,7 +561,6 @@ def test_a_build_on_a_rank_other_than_0_writes_a_whole_model(tmp_path, monkeypat
     monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True, raising=False)
     monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1, raising=False)
     monkeypatch.setattr(toy, "CACHE", str(tmp_path))
-    torch.set_num_threads(1)
     folder = toy.model_folder("math", TINY, quiet=True)
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(folder))
     monkeypatch.undo()
