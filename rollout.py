@@ -57,6 +57,10 @@ every STOP_EVERY steps (a row that stopped runs on, discarded, for up to 2 x STO
 On CUDA each (rows, row groups) shape is captured once as a CUDA graph and replayed
 (`cuda_graphs=True`); elsewhere, or if a capture fails, the same step runs eagerly.
 
+The KV budget's helpers sit here, and with them `memory_plan`, the run's one line of memory
+(weights, adapters with AdamW, the KV budget and what it holds, the training micro-batch),
+since the budget is the part a user most often has to size.
+
 Run `python bench/generate.py` to compare its speed with `model.generate` and with
 `generate_simple` in lockstep batches.
 """
