@@ -6,9 +6,10 @@ results/STUDY/, and each study's table, effect sizes and figure regenerated from
     python studies.py report amplification --write       # and its block in docs/RESULTS.md, its figure
 
 Choices:
-- A kept run is results/STUDY/RUN/ with config.json, metrics.jsonl and eval.jsonl (each
-  gzip-compressed, as FILE.gz, past GZIP_OVER bytes) and an empty `done`: no checkpoints, no
-  samples. Only a finished run is kept (its folder has `done`); keeping it again replaces it.
+- A kept run is results/STUDY/ARM-sSEED/ (e.g. n8-aggregator-frozen-s0) with config.json,
+  metrics.jsonl and eval.jsonl (each gzip-compressed, as FILE.gz, past GZIP_OVER bytes) and an
+  empty `done`: no checkpoints, no samples. Only a finished run is kept (its folder has `done`);
+  keeping a run of the same arm and seed again replaces it.
 - One study, one commit and one toy model: `keep` refuses a run whose provenance (the commit,
   a dirty tree, the base model's sha256; config.json's `provenance`) differs from the runs
   the study already holds, so runs of other code or another toy model are never pooled.
@@ -27,6 +28,7 @@ import gzip
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -132,8 +134,16 @@ def kept_runs(study: str) -> list:
     return [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if analysis.is_run_folder(os.path.join(folder, n))]
 
 
+def kept_name(study: str, cfg: dict) -> str:
+    """A kept run's folder name: its arm and seed ("N=8, aggregator frozen", seed 0 ->
+    n8-aggregator-frozen-s0). Not the run folder's own name: sweep.py names a cell by its axes
+    only, so the cells of two arms that differ in a pass-through flag share one name."""
+    arm = re.sub(r"[^a-z0-9_.]+", "-", STUDIES[study].arm(cfg).lower().replace("=", "")).strip("-")
+    return f"{arm}-s{cfg.get('seed', 0)}"
+
+
 def keep(study: str, run: str) -> str:
-    """Copy a finished run's logs into results/STUDY/RUN (see the module's choices); the
+    """Copy a finished run's logs into results/STUDY/ARM-sSEED (see the module's choices); the
     folder written. A ValueError says why a run cannot be kept."""
     if study not in STUDIES:
         raise ValueError(f"no study {study!r} (studies: {', '.join(STUDIES)})")
@@ -142,7 +152,7 @@ def keep(study: str, run: str) -> str:
     cfg = analysis.read_config(run, quiet=True)
     if not cfg.get("provenance"):
         raise ValueError(f"{run}: its config.json records no provenance (a run of older code)")
-    name = os.path.basename(os.path.normpath(run))
+    name = kept_name(study, cfg)
     others = {origin(analysis.read_config(r, quiet=True)) for r in kept_runs(study) if os.path.basename(r) != name}
     if others and others != {origin(cfg)}:
         raise ValueError(f"{run}: commit / dirty / toy model {origin(cfg)} differ from the study's runs {sorted(others)}")

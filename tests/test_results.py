@@ -46,6 +46,20 @@ def test_keep_copies_the_logs_compresses_big_ones_and_keeps_one_origin(tmp_path,
         studies.keep("amplification", a)
 
 
+def test_two_arms_whose_cells_share_a_name_are_kept_apart(tmp_path, monkeypatch):
+    """sweep.py names a cell by its axes, so N=8 and N=8 with the aggregator frozen (a
+    pass-through --lr-role) are both voting-...-n-voters8-s0: kept by arm and seed, neither
+    replaces the other."""
+    monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
+    plain = finished(tmp_path / "a", "cell-s0", 0, [0.5, 0.6, 0.3], n_voters=8, mini_batch=128)
+    frozen = finished(tmp_path / "b", "cell-s0", 0, [0.5, 0.6, 0.6], n_voters=8, mini_batch=128,
+                      lr_role={"aggregator": 0.0})
+    kept = [os.path.basename(studies.keep("amplification", r)) for r in (plain, frozen)]
+    assert kept == ["n8-s0", "n8-aggregator-frozen-s0"]
+    assert sorted(os.listdir(tmp_path / "results" / "amplification")) == sorted(kept)
+    assert sorted(studies.arms("amplification")) == ["N=8", "N=8, aggregator frozen"]
+
+
 def test_arms_contrasts_and_the_table(tmp_path, monkeypatch):
     monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
     runs = tmp_path / "runs"
