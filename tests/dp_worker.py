@@ -1,8 +1,10 @@
 """A worker for tests/test_parallel.py: one GRPO update of a tiny policy on fixed samples,
-as one process (all samples) or as a torchrun rank (its share), written to OUT/rank{R}.pt.
+as one process (all samples) or as a torchrun rank (its share), for each CASE in turn
+(SHARING, or SHARING-plain: no probe and no intervention), written to OUT/CASE/rank{R}.pt.
+One launch runs every case, since starting the processes costs more than the updates.
 
-    python tests/dp_worker.py OUT SHARING                 # one process, every sample
-    torchrun --nproc-per-node 2 tests/dp_worker.py OUT SHARING
+    python tests/dp_worker.py OUT CASE [CASE ...]          # one process, every sample
+    torchrun --nproc-per-node 2 tests/dp_worker.py OUT CASE [CASE ...]
     torchrun --nproc-per-node 2 tests/dp_worker.py OUT fail MODEL   # train.py; rank 1 raises
 
 The ranks hold unequal numbers of calls per role; one process holds rank 0's samples, then
@@ -56,10 +58,8 @@ def fail_in_train(out, model):
                         "--eval-problems", "2", "--lora-rank", "2", "--device", "cpu", "--quiet", "--out", out])
 
 
-def main(out, sharing):
-    if sharing == "fail":
-        return fail_in_train(out, sys.argv[3])
-    comm = parallel.init("cpu")
+def update_once(comm, out, case):
+    sharing, plain = case.split("-")[0], case.endswith("-plain")   # plain: the method alone
     torch.manual_seed(0)
     pol = policies.Policy(tiny_qwen3(seed=0), None, ("generator", "aggregator"), sharing, rank=4, alpha=8)
     g = torch.Generator().manual_seed(7)
@@ -75,7 +75,6 @@ def main(out, sharing):
             applied.append((_name, dynamics.flat_grad(pol.parameters_of(_name)).clone()))
             return _real(*a, **k)
         o.step = step
-    plain = os.environ.get("DP_PLAIN") == "1"   # the method alone: no probe, no intervention
     damp = None if plain else damping.CoherenceDamp({"generator": 0.5}, window=2, comm=comm)
     hp = grpo.Hyper(temperature=0.7, mini_batch=4, token_budget=24)
     rows = parallel.every_rank_rows(comm, samples) if comm else samples
@@ -85,11 +84,19 @@ def main(out, sharing):
     grpo.update(pol, opts, scheds, rows, hp, shuffle=shuffle, reduce=comm.reduce_grads if comm else None,
                 probe=dyn, intervention=damp)
     stats = [] if plain else [dyn.summary(hp)]
-    rank = comm.rank if comm else 0
+    os.makedirs(os.path.join(out, case), exist_ok=True)
     torch.save({"params": {n: [p.detach().clone() for p in pol.parameters_of(n)] for n in pol.names},
-                "stats": stats, "applied": applied}, os.path.join(out, f"rank{rank}.pt"))
+                "stats": stats, "applied": applied}, os.path.join(out, case, f"rank{comm.rank if comm else 0}.pt"))
+
+
+def main(out, cases):
+    if cases[0] == "fail":
+        return fail_in_train(out, cases[1])
+    comm = parallel.init("cpu")
+    for case in cases:
+        update_once(comm, out, case)
     parallel.close(comm)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2:])

@@ -32,15 +32,29 @@ def torchrun(*args, timeout=240):
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("sharing", ["shared", "isolated"])
-def test_two_ranks_update_like_one_process(tmp_path, sharing):
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir(), two.mkdir()
-    r = subprocess.run([sys.executable, WORKER, str(one), sharing], cwd=ROOT, env=ENV, capture_output=True, text=True)
+CASES = ["shared", "isolated", "shared-plain", "isolated-plain"]
+
+
+@pytest.fixture(scope="module")
+def dp_updates(tmp_path_factory):
+    """(one process, 2 ranks): folders holding each case's CASE/rank{R}.pt (tests/dp_worker.py),
+    every case run by one launch of each."""
+    one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
+    r = subprocess.run([sys.executable, WORKER, str(one), *CASES], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = torchrun(WORKER, str(two), sharing)
+    r = torchrun(WORKER, str(two), *CASES)
     assert r.returncode == 0, r.stderr[-3000:]
-    ref, ranks = torch.load(one / "rank0.pt"), [torch.load(two / f"rank{k}.pt") for k in (0, 1)]
+    return one, two
+
+
+def results_of(dp_updates, case):
+    one, two = dp_updates
+    return torch.load(one / case / "rank0.pt"), [torch.load(two / case / f"rank{k}.pt") for k in (0, 1)]
+
+
+@pytest.mark.parametrize("sharing", ["shared", "isolated"])
+def test_two_ranks_update_like_one_process(dp_updates, sharing):
+    ref, ranks = results_of(dp_updates, sharing)
     for res in ranks:   # every rank applied the same gradients and holds the same weights as one process
         assert [n for n, _ in res["applied"]] == [n for n, _ in ref["applied"]] and len(ref["applied"]) > 2
         for (_, a), (_, b) in zip(ref["applied"], res["applied"]):
@@ -62,21 +76,14 @@ def test_two_ranks_update_like_one_process(tmp_path, sharing):
 
 
 @pytest.mark.parametrize("sharing", ["shared", "isolated"])
-def test_without_probe_or_intervention_two_ranks_update_like_one_process(tmp_path, sharing):
+def test_without_probe_or_intervention_two_ranks_update_like_one_process(dp_updates, sharing):
     """The update sums the ranks' gradients itself: the plain method (probe=None) under 2 ranks
     takes the 1-process steps. Within fp32 rounding, not bit for bit: a micro-batch of one
     process adds its rows' gradients inside one matmul, which 2 ranks split into two sums added
     by the all-reduce (measured 1.5e-7; the train.py run below, whose micro-batches hold at most
     one row per rank, is bit-identical)."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir(), two.mkdir()
-    env = {**ENV, "DP_PLAIN": "1"}
-    r = subprocess.run([sys.executable, WORKER, str(one), sharing], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER, str(two), sharing]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
-    ref, ranks = torch.load(one / "rank0.pt"), [torch.load(two / f"rank{k}.pt") for k in (0, 1)]
+    ref, ranks = results_of(dp_updates, f"{sharing}-plain")
+    assert ref["stats"] == [] and ranks[0]["stats"] == []   # no probe ran
     for res in ranks:
         assert [n for n, _ in res["applied"]] == [n for n, _ in ref["applied"]] and len(ref["applied"]) > 2
         for name, params in ref["params"].items():
