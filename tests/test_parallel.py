@@ -8,6 +8,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -100,16 +101,32 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def test_a_two_rank_toy_run_writes_one_run_folder_and_resumes(tmp_path):
-    model = save_tiny_toy_model(tmp_path / "model")
-    out = tmp_path / "run"
-    flags = ["--scale", str(model), "--data", "toy_math", "--workflow", "voting", "--sharing", "isolated", "--problems-per-step", "3",
-             "--group-size", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "120", "--eval-problems", "5",
-             "--eval-every", "1", "--lora-rank", "2", "--lr", "1e-2", "--warmup-steps", "1", "--device", "cpu",
-             "--quiet", "--out", str(out)]
-    r = torchrun("train.py", *flags, "--steps", "2")
+TRAIN_FLAGS = ["--data", "toy_math", "--workflow", "voting", "--sharing", "isolated", "--problems-per-step", "3",
+               "--group-size", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "120", "--eval-problems", "5",
+               "--eval-every", "1", "--lora-rank", "2", "--lr", "1e-2", "--warmup-steps", "1", "--mini-batch", "4",
+               "--samples-every", "1", "--device", "cpu", "--quiet", "--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def toy_runs(tmp_path_factory):
+    """(one process, 2 ranks): the run folders of one 2-step toy Voting run of train.py, made by
+    one process and by 2 torchrun ranks; --mini-batch is smaller than an adapter's rows (the
+    generator's 18 rows take 5 optimizer steps a step)."""
+    root = tmp_path_factory.mktemp("toy_runs")
+    model = save_tiny_toy_model(root / "model")
+    one, two = root / "one", root / "two"
+    r = subprocess.run([sys.executable, "train.py", "--scale", str(model), *TRAIN_FLAGS, "--out", str(one)], cwd=ROOT,
+                       env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = torchrun("train.py", "--scale", str(model), *TRAIN_FLAGS, "--out", str(two))
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("done:") == 1 and r.stdout.count("config:") == 1     # rank 0 alone speaks
+    return one, two
+
+
+def test_a_two_rank_toy_run_writes_one_run_folder_and_resumes(toy_runs, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(toy_runs[1], out)          # the resume below must not touch the fixture's run
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
     evals = read_jsonl(out / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 1, 2] and all(e["n"] == 5 for e in evals)  # both shares merged
@@ -122,22 +139,11 @@ def test_a_two_rank_toy_run_writes_one_run_folder_and_resumes(tmp_path):
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3] and (out / "done").exists()
 
 
-def test_a_two_rank_run_takes_the_same_samples_and_steps_as_one_process(tmp_path):
+def test_a_two_rank_run_takes_the_same_samples_and_steps_as_one_process(toy_runs):
     # every draw is keyed by (seed, step, problem, rollout, call, position) and every rank
-    # shuffles the step's global rows alike, so 2 ranks run the 1-process run, with --mini-batch
-    # smaller than an adapter's rows (the generator's 18 rows take 5 optimizer steps a step)
+    # shuffles the step's global rows alike, so 2 ranks run the 1-process run
     from safetensors.torch import load_file
-    model = save_tiny_toy_model(tmp_path / "model")
-    flags = ["--scale", str(model), "--data", "toy_math", "--workflow", "voting", "--sharing", "isolated",
-             "--problems-per-step", "3", "--group-size", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "120",
-             "--eval-problems", "5", "--eval-every", "1", "--lora-rank", "2", "--lr", "1e-2", "--warmup-steps", "1",
-             "--mini-batch", "4", "--samples-every", "1", "--device", "cpu", "--quiet", "--steps", "2"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    r = subprocess.run([sys.executable, "train.py", *flags, "--out", str(one)], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    r = torchrun("train.py", *flags, "--out", str(two))
-    assert r.returncode == 0, r.stderr[-3000:]
+    one, two = toy_runs
     for name in ("generator", "aggregator"):
         a, b = (load_file(run / "ckpt-last" / name / "adapter_model.safetensors") for run in (one, two))
         va, vb = torch.cat([a[k].flatten() for k in sorted(a)]), torch.cat([b[k].flatten() for k in sorted(b)])
