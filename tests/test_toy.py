@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -500,10 +501,21 @@ def test_processes_that_need_the_toy_model_at_once_build_it_once(tmp_path):
     assert len({out.strip() for out, _ in outs}) == 1 and _entries(cache) == [os.path.basename(outs[0][0].strip())]
 
 
-def test_a_reader_in_the_middle_of_a_rebuild_loads_a_whole_model(tmp_path, monkeypatch):
-    cache = str(tmp_path)
-    first = builder(cache, "build")
-    assert first.wait(timeout=240) == 0
+@pytest.fixture(scope="module")
+def one_build(tmp_path_factory):
+    """A cache holding one whole tiny toy model, built by a builder process; tests copy it."""
+    cache = str(tmp_path_factory.mktemp("one_build"))
+    assert builder(cache, "build").wait(timeout=240) == 0
+    return cache
+
+
+def copy_of(cache, tmp_path):
+    shutil.copytree(cache, tmp_path / "cache", ignore=shutil.ignore_patterns("*.lock"))
+    return str(tmp_path / "cache")
+
+
+def test_a_reader_in_the_middle_of_a_rebuild_loads_a_whole_model(one_build, tmp_path, monkeypatch):
+    cache = copy_of(one_build, tmp_path)
     second = builder(cache, "pause")          # a forced rebuild, paused inside its publish
     assert second.stdout.readline().strip() == "aside"
     monkeypatch.setattr(toy, "CACHE", cache)
@@ -513,9 +525,8 @@ def test_a_reader_in_the_middle_of_a_rebuild_loads_a_whole_model(tmp_path, monke
 
 
 @pytest.mark.parametrize("point", ["kill-aside", "kill-delete"])
-def test_a_kill_inside_a_publish_leaves_a_cache_the_next_run_uses_or_rebuilds(tmp_path, monkeypatch, point):
-    cache = str(tmp_path)
-    assert builder(cache, "build").wait(timeout=240) == 0
+def test_a_kill_inside_a_publish_leaves_a_cache_the_next_run_uses_or_rebuilds(one_build, tmp_path, monkeypatch, point):
+    cache = copy_of(one_build, tmp_path)
     dying = builder(cache, point)
     assert dying.wait(timeout=240) == -signal.SIGKILL
     monkeypatch.setattr(toy, "CACHE", cache)
