@@ -475,7 +475,7 @@ def dose_figure(points: list, knob: str, title: str | None = None):
 
 
 def plot_arms(title: str, arms: list, values: dict, path: str) -> str:
-    """A study's arms side by side: for each measure of `values` {measure: {arm: [per seed]}}
+    """A study's arms side by side: for each measure of `values` {y label: {arm: [per seed]}}
     a panel with every seed as a dot and the mean ± standard error as a bar."""
     Figure = _figure_class()
     fig = Figure(figsize=(max(6.0, 1.0 + 0.9 * len(arms)), 1.4 + 2.4 * len(values)))
@@ -489,7 +489,7 @@ def plot_arms(title: str, arms: list, values: dict, path: str) -> str:
                 m = sum(ys) / len(ys)
                 se = (sum((y - m) ** 2 for y in ys) / (len(ys) - 1) / len(ys)) ** 0.5 if len(ys) > 1 else 0.0
                 ax.errorbar([i], [m], yerr=[se], fmt="_", color="tab:blue", ms=18, mew=2, capsize=4)
-        ax.set_ylabel(f"{measure} accuracy (%)")
+        ax.set_ylabel(measure, fontsize=9)
         ax.grid(alpha=0.3, axis="y")
     axes[-1].set_xticks(range(len(arms)), arms, rotation=30, ha="right", fontsize=8)
     fig.tight_layout()

@@ -78,6 +78,7 @@ class Study:
     contrasts: list                               # [(arm A, arm B)]: final accuracy A minus B
     roles: tuple = ()                             # roles whose mechanism columns the table shows
     runs: str = ""                                # how the runs were made (the page shows it)
+    panel: tuple = ()                             # the figure's mechanism: (key, roles, label), the first role a run has
     mechanisms: list = field(default_factory=lambda: ["displacement", "len", "parse_fail"])
 
 
@@ -94,7 +95,7 @@ STUDIES = {
          "N=8, aggregator frozen", "N=1, lr 1e-3", "N=8, lr 1e-3"],
         [("N=8", "N=1"), ("N=8", "N=8, equal steps"), ("N=8", "N=8, aggregator frozen"), ("N=4", "N=1"),
          ("N=4", "N=4, equal steps"), ("N=4", "N=4, aggregator frozen"), ("N=8, lr 1e-3", "N=1, lr 1e-3")],
-        roles=("generator", "aggregator"),
+        roles=("generator", "aggregator"), panel=("displacement", ("generator",), "generator adapter's ‖Δθ‖ / step"),
         runs="python sweep.py --jobs 1 --tasks math --workflows voting --sharings isolated --lrs 2e-3 --seeds S "
              "--axis n-voters=8,4,2,1 -- --steps 60 --eval-every 10 --eval-problems 256; equal steps: "
              "--axis n-voters=N --axis mini-batch=128N; aggregator frozen: -- --lr-role aggregator=0; "
@@ -105,6 +106,7 @@ STUDIES = {
         [f"{w}, L={L}" for w in ("voting", "eval_opt") for L in (0, 8, 24)],
         [("voting, L=24", "voting, L=0"), ("eval_opt, L=24", "eval_opt, L=0")],
         roles=("generator", "aggregator", "evaluator"), mechanisms=["share", "len", "parse_fail"],
+        panel=("share", ("aggregator", "evaluator"), "supervisor's gradient share"),
         runs="python sweep.py --jobs 1 --tasks math --workflows voting eval_opt --sharings shared --lrs 2e-3 "
              "--seeds S --axis toy-check=0,8,24 -- --steps 60 --eval-every 10 --eval-problems 256"),
     "damping": Study(
@@ -113,6 +115,7 @@ STUDIES = {
         [f"{w}, {a}" for w in ("orch_workers", "eval_opt") for a in ("none", "damping", "placebo")],
         [(f"{w}, damping", f"{w}, {b}") for w in ("orch_workers", "eval_opt") for b in ("none", "placebo")],
         roles=("worker", "generator"), mechanisms=["displacement", "damp_scale"],
+        panel=("displacement", ("worker", "generator"), "damped role's adapter ‖Δθ‖ / step"),
         runs="python sweep.py --jobs 1 --tasks math --workflows W --sharings isolated --lrs 2e-3 --seeds S "
              "-- --steps 60 --eval-every 10 --eval-problems 256 [--coherence-damp worker=0.5 | generator=0.5] "
              "[--damp-placebo]"),
@@ -358,19 +361,33 @@ def main(argv=None):
                 print(f"figure: {figure}")
 
 
+def figure_values(study: str) -> tuple:
+    """(arms in the study's order, {panel label: {arm: [one value per seed]}}): final and peak
+    accuracy in %, and the study's mechanism panel where its runs log it."""
+    groups, st = arms(study), STUDIES[study]
+    names = [a for a in st.order if a in groups] + sorted(set(groups) - set(st.order))
+
+    def per_seed(value):
+        return {a: [v for v in (value(run, s) for run, s in groups[a]) if v is not None] for a in names}
+
+    values = {"final accuracy (%)": per_seed(lambda run, s: None if s["final_acc"] is None else 100 * s["final_acc"]),
+              "peak accuracy (%)": per_seed(lambda run, s: None if s["peak_acc"] is None else 100 * s["peak_acc"])}
+    if st.panel:
+        key, roles, label = st.panel
+        mech = per_seed(lambda run, s: next((v for v in (_mechanism(run, s, key, r) for r in roles) if v is not None), None))
+        if any(mech.values()):
+            values[label] = mech
+    return names, values
+
+
 def write_figure(study: str) -> str | None:
-    """docs/figures/study-STUDY.png: final accuracy per arm (each seed a dot, mean ± se)."""
-    groups = arms(study)
-    if not groups:
+    """docs/figures/study-STUDY.png: figure_values's panels, each seed a dot, mean ± se a bar."""
+    names, values = figure_values(study)
+    if not names:
         return None
     import plots
-    st = STUDIES[study]
-    names = [a for a in st.order if a in groups] + sorted(set(groups) - set(st.order))
-    finals = {a: [100 * s["final_acc"] for _, s in groups[a] if s["final_acc"] is not None] for a in names}
-    peaks = {a: [100 * s["peak_acc"] for _, s in groups[a] if s["peak_acc"] is not None] for a in names}
     os.makedirs(FIGURES, exist_ok=True)
-    return plots.plot_arms(st.title, names, {"final": finals, "peak": peaks},
-                           os.path.join(FIGURES, f"study-{study}.png"))
+    return plots.plot_arms(STUDIES[study].title, names, values, os.path.join(FIGURES, f"study-{study}.png"))
 
 
 if __name__ == "__main__":

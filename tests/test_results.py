@@ -60,6 +60,28 @@ def test_two_arms_whose_cells_share_a_name_are_kept_apart(tmp_path, monkeypatch)
     assert sorted(studies.arms("amplification")) == ["N=8", "N=8, aggregator frozen"]
 
 
+def test_the_figure_shows_each_seed_and_the_studys_mechanism(tmp_path, monkeypatch):
+    monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
+    monkeypatch.setattr(studies, "FIGURES", str(tmp_path / "figures"))
+    for seed, (final, move) in enumerate([(0.3, 0.5), (0.4, 0.7)]):
+        folder = finished(tmp_path / "runs", f"n8-{seed}", seed, [0.5, 0.6, final], n_voters=8, mini_batch=128)
+        path = os.path.join(folder, "metrics.jsonl")
+        rows = analysis.read_jsonl(path)
+        for r in rows:
+            r["roles"]["generator"]["displacement"] = move
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        studies.keep("amplification", folder)
+    names, values = studies.figure_values("amplification")
+    assert names == ["N=8"]
+    assert values["final accuracy (%)"] == {"N=8": [pytest.approx(30.0), pytest.approx(40.0)]}
+    assert values["peak accuracy (%)"] == {"N=8": [pytest.approx(60.0), pytest.approx(60.0)]}
+    assert values["generator adapter's ‖Δθ‖ / step"] == {"N=8": [pytest.approx(0.5), pytest.approx(0.7)]}
+    assert studies.write_figure("amplification") == str(tmp_path / "figures" / "study-amplification.png")
+    assert os.path.getsize(tmp_path / "figures" / "study-amplification.png") > 0
+    assert studies.write_figure("capture") is None                  # no runs: no figure
+
+
 def test_arms_contrasts_and_the_table(tmp_path, monkeypatch):
     monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
     runs = tmp_path / "runs"
