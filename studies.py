@@ -2,6 +2,7 @@
 results/STUDY/, and each study's table, effect sizes and figure regenerated from those logs.
 
     python studies.py keep amplification RUN [RUN ...]   # copy finished runs' logs into results/
+    python studies.py keep damping ../study/runs/damping # every finished run under a folder
     python studies.py report                             # every study's table and contrasts
     python studies.py report amplification --write       # and its block in docs/RESULTS.md, its figure
 
@@ -331,12 +332,22 @@ def read_block(study: str, page: str = PAGE) -> str | None:
 
 # ----------------------------------------------------------------------------- command line
 
+def run_folders(folder: str) -> list:
+    """[folder] if it is a run folder, else the run folders inside it (a sweep's --out, or a
+    folder of sweeps), in order."""
+    if analysis.is_run_folder(folder) or not os.path.isdir(folder):
+        return [folder]
+    return [r for n in sorted(os.listdir(folder)) for r in run_folders(os.path.join(folder, n))
+            if os.path.isdir(os.path.join(folder, n))]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="studies.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     k = sub.add_parser("keep", help="copy finished runs' logs into results/STUDY/")
     k.add_argument("study", choices=list(STUDIES))
-    k.add_argument("runs", nargs="+", help="run folders (unfinished ones are skipped with a line)")
+    k.add_argument("runs", nargs="+", help="run folders, or folders holding them such as a sweep's --out "
+                   "(unfinished runs are skipped with a line)")
     r = sub.add_parser("report", help="print each study's table and contrasts, from results/ alone")
     r.add_argument("studies", nargs="*", metavar="STUDY", help=f"of {', '.join(STUDIES)} (default: all)")
     r.add_argument("--write", action="store_true", help="also rewrite their blocks in docs/RESULTS.md and figures")
@@ -345,7 +356,7 @@ def main(argv=None):
     if unknown:
         p.error(f"no study {unknown[0]!r} (studies: {', '.join(STUDIES)})")
     if args.cmd == "keep":
-        for run in args.runs:
+        for run in [r for folder in args.runs for r in run_folders(folder)]:
             try:
                 print(f"kept {keep(args.study, run)}")
             except (ValueError, OSError) as e:

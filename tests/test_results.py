@@ -82,6 +82,20 @@ def test_the_figure_shows_each_seed_and_the_studys_mechanism(tmp_path, monkeypat
     assert studies.write_figure("capture") is None                  # no runs: no figure
 
 
+def test_keep_given_a_sweeps_folder_keeps_its_finished_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
+    sweep = tmp_path / "sweep"
+    finished(sweep, "voting-n-voters8-s0", 0, [0.5, 0.6, 0.3], n_voters=8, mini_batch=128)
+    finished(sweep, "voting-n-voters8-s1", 1, [0.5, 0.6, 0.4], n_voters=8, mini_batch=128)
+    os.remove(sweep / "voting-n-voters8-s1" / "done")                # still running
+    (sweep / "logs").mkdir()
+    (sweep / "logs" / "voting-n-voters8-s0.log").write_text("a cell's log\n")
+    studies.main(["keep", "amplification", str(sweep)])
+    out, err = capsys.readouterr()
+    assert os.listdir(tmp_path / "results" / "amplification") == ["n8-s0"]
+    assert out.count("kept ") == 1 and "not finished" in err and "voting-n-voters8-s1" in err
+
+
 def test_arms_contrasts_and_the_table(tmp_path, monkeypatch):
     monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
     runs = tmp_path / "runs"
