@@ -13,7 +13,9 @@ Choices:
   keeping a run of the same arm and seed again replaces it.
 - One study, one commit and one toy model: `keep` refuses a run whose provenance (the commit,
   a dirty tree, the base model's sha256; config.json's `provenance`) differs from the runs
-  the study already holds, so runs of other code or another toy model are never pooled.
+  the study already holds, so runs of other code or another toy model are never pooled. Where
+  the toy model is the study's knob (capture's `--toy-check L` warm-starts a model per L),
+  it is one toy model per value of that knob.
 - A run belongs to an arm, named from its configuration by the study's `arm` function
   (e.g. "N=8, equal steps"). Per arm: seeds, base / peak / final accuracy and the drop from
   the peak (mean ± standard error over seeds), terminal cliffs k/n (analysis.py's rule), and
@@ -80,6 +82,7 @@ class Study:
     roles: tuple = ()                             # roles whose mechanism columns the table shows
     runs: str = ""                                # how the runs were made (the page shows it)
     panel: tuple = ()                             # the figure's mechanism: (key, roles, label), the first role a run has
+    model_by: str = ""                            # the config key whose value selects the toy model (a knob of the study)
     mechanisms: list = field(default_factory=lambda: ["displacement", "len", "parse_fail"])
 
 
@@ -107,7 +110,7 @@ STUDIES = {
         [f"{w}, L={L}" for w in ("voting", "eval_opt") for L in (0, 8, 24)],
         [("voting, L=24", "voting, L=0"), ("eval_opt, L=24", "eval_opt, L=0")],
         roles=("generator", "aggregator", "evaluator"), mechanisms=["share", "len", "parse_fail"],
-        panel=("share", ("aggregator", "evaluator"), "supervisor's gradient share"),
+        panel=("share", ("aggregator", "evaluator"), "supervisor's gradient share"), model_by="toy_check",
         runs="python sweep.py --jobs 1 --tasks math --workflows voting eval_opt --sharings shared --lrs 2e-3 "
              "--seeds S --axis toy-check=0,8,24 -- --steps 60 --eval-every 10 --eval-problems 256"),
     "damping": Study(
@@ -125,9 +128,12 @@ STUDIES = {
 
 # ----------------------------------------------------------------------------- keeping runs
 
-def origin(cfg: dict) -> tuple:
+def origin(cfg: dict, study: str | None = None) -> tuple:
+    """(commit, dirty, model_sha256), and for a study whose toy model is one of its knobs
+    (Study.model_by) that knob's value: runs of one study share the rest of the tuple."""
     p = cfg.get("provenance") or {}
-    return tuple(p.get(k) for k in ORIGIN)
+    by = STUDIES[study].model_by if study else None
+    return tuple(p.get(k) for k in ORIGIN) + ((cfg.get(by) or 0,) if by else ())
 
 
 def kept_runs(study: str) -> list:
@@ -157,9 +163,11 @@ def keep(study: str, run: str) -> str:
     if not cfg.get("provenance"):
         raise ValueError(f"{run}: its config.json records no provenance (a run of older code)")
     name = kept_name(study, cfg)
-    others = {origin(analysis.read_config(r, quiet=True)) for r in kept_runs(study) if os.path.basename(r) != name}
-    if others and others != {origin(cfg)}:
-        raise ValueError(f"{run}: commit / dirty / toy model {origin(cfg)} differ from the study's runs {sorted(others)}")
+    mine = origin(cfg, study)
+    others = {origin(analysis.read_config(r, quiet=True), study) for r in kept_runs(study) if os.path.basename(r) != name}
+    # one commit for the study; one toy model per value of the knob that selects it (if any)
+    if any(o[:2] != mine[:2] or (o[3:] == mine[3:] and o[2] != mine[2]) for o in others):
+        raise ValueError(f"{run}: commit / dirty / toy model {mine[:3]} differ from the study's runs {sorted(others)}")
     dest = os.path.join(RESULTS, study, name)
     shutil.rmtree(dest, ignore_errors=True)
     os.makedirs(dest)
@@ -296,9 +304,10 @@ def report_text(study: str) -> str:
     if not groups:
         return f"No runs kept yet (results/{study}/ is empty)."
     rows = {name: arm_row(st, name, runs) for name, runs in groups.items()}
-    origins = sorted({origin(run["config"]) for runs in groups.values() for run, _ in runs}, key=str)
-    code = "; ".join(f"commit {(c or '?')[:7]}{' (dirty)' if d else ''} and toy model {(m or '?')[:12]}"
-                     for c, d, m in origins)
+    origins = sorted({origin(run["config"], study) for runs in groups.values() for run, _ in runs}, key=str)
+    by = f" ({st.model_by} {{}})" if st.model_by else ""
+    code = "; ".join(f"commit {(o[0] or '?')[:7]}{' (dirty)' if o[1] else ''} and toy model {(o[2] or '?')[:12]}"
+                     + by.format(*o[3:]) for o in origins)
     n = sum(len(r) for r in groups.values())
     parts = [f"{n} run{'s' if n > 1 else ''} in results/{study}/, from {code}. "
              "Accuracy in %, mean ± standard error over seeds; mechanisms: means over seeds "

@@ -96,6 +96,28 @@ def test_keep_given_a_sweeps_folder_keeps_its_finished_runs(tmp_path, monkeypatc
     assert out.count("kept ") == 1 and "not finished" in err and "voting-n-voters8-s1" in err
 
 
+def test_capture_keeps_one_toy_model_per_check_length(tmp_path, monkeypatch):
+    """--toy-check L warm-starts a toy model per L: capture's runs differ in the model by
+    design, and within one L a second model is refused."""
+    monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
+
+    def run(name, seed, check, sha):
+        folder = synthetic_run(tmp_path / "runs", "voting", "math", "shared", seed=seed, lr=2e-3, steps=20,
+                               eval_every=10, accs=[0.5, 0.6, 0.4], name=name)
+        _with_config(folder, provenance={**ORIGIN, "model_sha256": sha * 64}, toy_check=check)
+        open(os.path.join(folder, "done"), "w").close()
+        return folder
+
+    studies.keep("capture", run("l0-s0", 0, 0, "b"))
+    studies.keep("capture", run("l24-s0", 0, 24, "c"))
+    studies.keep("capture", run("l24-s1", 1, 24, "c"))
+    with pytest.raises(ValueError, match="differ from the study's runs"):
+        studies.keep("capture", run("l24-s2", 2, 24, "d"))
+    assert sorted(os.listdir(tmp_path / "results" / "capture")) == ["voting-l0-s0", "voting-l24-s0", "voting-l24-s1"]
+    assert ("from commit aaaaaaa and toy model bbbbbbbbbbbb (toy_check 0); commit aaaaaaa and toy model "
+            "cccccccccccc (toy_check 24)") in studies.report_text("capture")
+
+
 def test_arms_contrasts_and_the_table(tmp_path, monkeypatch):
     monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
     runs = tmp_path / "runs"
