@@ -3,6 +3,7 @@ results/STUDY/, and each study's table, effect sizes and figure regenerated from
 
     python studies.py keep amplification RUN [RUN ...]   # copy finished runs' logs into results/
     python studies.py keep damping ../study/runs/damping # every finished run under a folder
+    python studies.py restore amplification ../study      # kept runs back into a new worktree's runs/
     python studies.py report                             # every study's table and contrasts
     python studies.py report amplification --write       # and its block in docs/RESULTS.md, its figure
 
@@ -182,6 +183,33 @@ def keep(study: str, run: str) -> str:
     return dest
 
 
+def restore(study: str, worktree: str) -> list:
+    """Put each kept run's logs (decompressed) and `done` back where the study's worktree had
+    it: the part of config.json's `out` from its last `runs` folder on, under `worktree`. A
+    sweep rerun there then skips those cells instead of running them again (on a new machine,
+    where the worktree's runs/ is gone). Returns the folders written; a run whose folder is
+    already there, or whose `out` has no `runs` folder, is left alone with a line."""
+    written = []
+    for kept in kept_runs(study):
+        parts = os.path.normpath(analysis.read_config(kept, quiet=True).get("out") or "").split(os.sep)
+        if "runs" not in parts:
+            print(f"skipped {kept}: its config.json's out has no runs/ folder", file=sys.stderr)
+            continue
+        dest = os.path.join(worktree, *parts[len(parts) - 1 - parts[::-1].index("runs"):])
+        if os.path.exists(dest):
+            print(f"skipped {kept}: {dest} is already there", file=sys.stderr)
+            continue
+        os.makedirs(dest)
+        for f in KEPT:
+            src = os.path.join(kept, f)
+            with (open(src, "rb") if os.path.isfile(src) else gzip.open(src + ".gz", "rb")) as a, \
+                    open(os.path.join(dest, f), "wb") as b:
+                shutil.copyfileobj(a, b)
+        open(os.path.join(dest, "done"), "w").close()
+        written.append(dest)
+    return written
+
+
 # ----------------------------------------------------------------------------- the analysis
 
 def _mean_se(xs: list):
@@ -357,6 +385,10 @@ def main(argv=None):
     k.add_argument("study", choices=list(STUDIES))
     k.add_argument("runs", nargs="+", help="run folders, or folders holding them such as a sweep's --out "
                    "(unfinished runs are skipped with a line)")
+    rs = sub.add_parser("restore", help="put the kept runs back into a study worktree's runs/, so that "
+                        "a sweep rerun there skips them (on a new machine)")
+    rs.add_argument("study", choices=list(STUDIES))
+    rs.add_argument("worktree", help="the study's git worktree (pinned at the study's commit)")
     r = sub.add_parser("report", help="print each study's table and contrasts, from results/ alone")
     r.add_argument("studies", nargs="*", metavar="STUDY", help=f"of {', '.join(STUDIES)} (default: all)")
     r.add_argument("--write", action="store_true", help="also rewrite their blocks in docs/RESULTS.md and figures")
@@ -370,6 +402,10 @@ def main(argv=None):
                 print(f"kept {keep(args.study, run)}")
             except (ValueError, OSError) as e:
                 print(f"skipped: {e}", file=sys.stderr)
+        return
+    if args.cmd == "restore":
+        for folder in restore(args.study, args.worktree):
+            print(f"restored {folder}")
         return
     for study in args.studies or list(STUDIES):
         text = report_text(study)

@@ -118,6 +118,23 @@ def test_capture_keeps_one_toy_model_per_check_length(tmp_path, monkeypatch):
             "cccccccccccc (toy_check 24)") in studies.report_text("capture")
 
 
+def test_restore_puts_kept_runs_back_where_a_sweep_rerun_skips_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
+    monkeypatch.setattr(studies, "GZIP_OVER", 2000)   # the metrics are kept compressed
+    old = tmp_path / "old-machine" / "study" / "runs" / "amplification"
+    run = finished(old, "voting-n-voters8-s0", 0, [0.5, 0.6, 0.3], n_voters=8, mini_batch=128)
+    _with_config(run, out=run)
+    studies.keep("amplification", run)
+    new = tmp_path / "new-machine" / "study"
+    (cell,) = studies.restore("amplification", str(new))
+    assert cell == str(new / "runs" / "amplification" / "voting-n-voters8-s0")
+    assert sorted(os.listdir(cell)) == ["config.json", "done", "eval.jsonl", "metrics.jsonl"]
+    for f in ("config.json", "eval.jsonl", "metrics.jsonl"):
+        assert open(os.path.join(cell, f), "rb").read() == open(os.path.join(run, f), "rb").read()
+    assert studies.restore("amplification", str(new)) == []        # already there: left alone
+    assert "already there" in capsys.readouterr().err
+
+
 def test_arms_contrasts_and_the_table(tmp_path, monkeypatch):
     monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
     runs = tmp_path / "runs"
