@@ -5,7 +5,8 @@
 # With no PART the whole study runs in order. A PART is a study letter and a seed (A0, B2, C4,
 # L1 for A's lr 1e-3 runs): two drivers given disjoint parts can share a 2-core machine, e.g.
 #   bash results/lab.sh ../study A0 A1 B0 B1 B2 L0 L1 L2 &  bash results/lab.sh ../study A2 C0 C1 C2 C3 C4 &
-# Rerunning resumes: sweep.py skips done cells and resumes interrupted ones.
+# Rerunning resumes: sweep.py skips done cells and resumes interrupted ones. On a new machine,
+# first put the kept runs back: python studies.py restore STUDY ../study (for each study).
 set -u
 cd "${1:-.}"; shift
 S="python sweep.py --jobs 1 --tasks math"
