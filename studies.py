@@ -447,4 +447,8 @@ def write_figure(study: str) -> str | None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BrokenPipeError:   # the reader closed the pipe (`| head`): stop quietly, as eval.py does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
