@@ -8,10 +8,11 @@ results/STUDY/, and each study's table, effect sizes and figure regenerated from
     python studies.py report amplification --write       # and its block in docs/RESULTS.md, its figure
 
 Choices:
-- A kept run is results/STUDY/ARM-sSEED/ (e.g. n8-aggregator-frozen-s0) with config.json,
-  metrics.jsonl and eval.jsonl (each gzip-compressed, as FILE.gz, past GZIP_OVER bytes) and an
-  empty `done`: no checkpoints, no samples. Only a finished run is kept (its folder has `done`);
-  keeping a run of the same arm and seed again replaces it.
+- A kept run is results/STUDY/SWEEP/RUN/ (its sweep's folder name and its own, e.g.
+  amplification-frozen-aggregator/voting-math-isolated-toy-lr2e-3-n-voters8-s0) with
+  config.json, metrics.jsonl and eval.jsonl (each gzip-compressed, as FILE.gz, past GZIP_OVER
+  bytes) and an empty `done`: no checkpoints, no samples. Only a finished run is kept (its
+  folder has `done`); keeping it again replaces it.
 - One study, one commit and one toy model: `keep` refuses a run whose provenance (the commit,
   a dirty tree, the base model's sha256; config.json's `provenance`) differs from the runs
   the study already holds, so runs of other code or another toy model are never pooled. Where
@@ -32,7 +33,6 @@ import gzip
 import json
 import math
 import os
-import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -138,23 +138,22 @@ def origin(cfg: dict, study: str | None = None) -> tuple:
 
 
 def kept_runs(study: str) -> list:
-    """The run folders a study holds, by name."""
+    """The run folders a study holds (results/STUDY/SWEEP/RUN), in order."""
     folder = os.path.join(RESULTS, study)
-    if not os.path.isdir(folder):
-        return []
-    return [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if analysis.is_run_folder(os.path.join(folder, n))]
+    return run_folders(folder) if os.path.isdir(folder) else []
 
 
-def kept_name(study: str, cfg: dict) -> str:
-    """A kept run's folder name: its arm and seed ("N=8, aggregator frozen", seed 0 ->
-    n8-aggregator-frozen-s0). Not the run folder's own name: sweep.py names a cell by its axes
-    only, so the cells of two arms that differ in a pass-through flag share one name."""
-    arm = re.sub(r"[^a-z0-9_.]+", "-", STUDIES[study].arm(cfg).lower().replace("=", "")).strip("-")
-    return f"{arm}-s{cfg.get('seed', 0)}"
+def kept_name(run: str) -> str:
+    """Where a run is kept under results/STUDY/: SWEEP/RUN, its sweep's folder name and its own.
+    The run's name alone is not enough: sweep.py names a cell by its axes only, so the cells of
+    two arms that differ in a pass-through flag (N=8 and N=8 with the aggregator frozen) share
+    one name, in two sweep folders."""
+    run = os.path.normpath(os.path.abspath(run))
+    return os.path.join(os.path.basename(os.path.dirname(run)), os.path.basename(run))
 
 
 def keep(study: str, run: str) -> str:
-    """Copy a finished run's logs into results/STUDY/ARM-sSEED (see the module's choices); the
+    """Copy a finished run's logs into results/STUDY/SWEEP/RUN (see the module's choices); the
     folder written. A ValueError says why a run cannot be kept."""
     if study not in STUDIES:
         raise ValueError(f"no study {study!r} (studies: {', '.join(STUDIES)})")
@@ -163,13 +162,14 @@ def keep(study: str, run: str) -> str:
     cfg = analysis.read_config(run, quiet=True)
     if not cfg.get("provenance"):
         raise ValueError(f"{run}: its config.json records no provenance (a run of older code)")
-    name = kept_name(study, cfg)
+    name = kept_name(run)
+    dest = os.path.join(RESULTS, study, name)
     mine = origin(cfg, study)
-    others = {origin(analysis.read_config(r, quiet=True), study) for r in kept_runs(study) if os.path.basename(r) != name}
+    others = {origin(analysis.read_config(r, quiet=True), study) for r in kept_runs(study)
+              if os.path.normpath(r) != os.path.normpath(dest)}
     # one commit for the study; one toy model per value of the knob that selects it (if any)
     if any(o[:2] != mine[:2] or (o[3:] == mine[3:] and o[2] != mine[2]) for o in others):
         raise ValueError(f"{run}: commit / dirty / toy model {mine[:3]} differ from the study's runs {sorted(others)}")
-    dest = os.path.join(RESULTS, study, name)
     shutil.rmtree(dest, ignore_errors=True)
     os.makedirs(dest)
     for f in KEPT:

@@ -30,6 +30,12 @@ def finished(tmp_path, name, seed, accs, **cfg):
     return folder
 
 
+def kept_dirs(tmp_path, study="amplification"):
+    """SWEEP/RUN of every run kept under tmp_path/results/STUDY."""
+    root = tmp_path / "results" / study
+    return sorted(os.path.relpath(r, root) for r in studies.kept_runs(study))
+
+
 def test_keep_copies_the_logs_compresses_big_ones_and_keeps_one_origin(tmp_path, monkeypatch):
     monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
     monkeypatch.setattr(studies, "GZIP_OVER", 2000)   # the synthetic metrics pass it, the eval log does not
@@ -55,8 +61,7 @@ def test_two_arms_whose_cells_share_a_name_are_kept_apart(tmp_path, monkeypatch)
     frozen = finished(tmp_path / "b", "cell-s0", 0, [0.5, 0.6, 0.6], n_voters=8, mini_batch=128,
                       lr_role={"aggregator": 0.0})
     kept = [os.path.basename(studies.keep("amplification", r)) for r in (plain, frozen)]
-    assert kept == ["n8-s0", "n8-aggregator-frozen-s0"]
-    assert sorted(os.listdir(tmp_path / "results" / "amplification")) == sorted(kept)
+    assert kept == ["cell-s0", "cell-s0"] and kept_dirs(tmp_path) == ["a/cell-s0", "b/cell-s0"]
     assert sorted(studies.arms("amplification")) == ["N=8", "N=8, aggregator frozen"]
 
 
@@ -92,7 +97,7 @@ def test_keep_given_a_sweeps_folder_keeps_its_finished_runs(tmp_path, monkeypatc
     (sweep / "logs" / "voting-n-voters8-s0.log").write_text("a cell's log\n")
     studies.main(["keep", "amplification", str(sweep)])
     out, err = capsys.readouterr()
-    assert os.listdir(tmp_path / "results" / "amplification") == ["n8-s0"]
+    assert kept_dirs(tmp_path) == ["sweep/voting-n-voters8-s0"]
     assert out.count("kept ") == 1 and "not finished" in err and "voting-n-voters8-s1" in err
 
 
@@ -113,7 +118,7 @@ def test_capture_keeps_one_toy_model_per_check_length(tmp_path, monkeypatch):
     studies.keep("capture", run("l24-s1", 1, 24, "c"))
     with pytest.raises(ValueError, match="differ from the study's runs"):
         studies.keep("capture", run("l24-s2", 2, 24, "d"))
-    assert sorted(os.listdir(tmp_path / "results" / "capture")) == ["voting-l0-s0", "voting-l24-s0", "voting-l24-s1"]
+    assert kept_dirs(tmp_path, "capture") == ["runs/l0-s0", "runs/l24-s0", "runs/l24-s1"]
     assert ("from commit aaaaaaa and toy model bbbbbbbbbbbb (toy_check 0); commit aaaaaaa and toy model "
             "cccccccccccc (toy_check 24)") in studies.report_text("capture")
 
