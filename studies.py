@@ -98,7 +98,7 @@ STUDIES = {
         _voters,
         ["N=1", "N=2", "N=4", "N=8", "N=4, equal steps", "N=8, equal steps", "N=4, aggregator frozen",
          "N=8, aggregator frozen", "N=1, lr 1e-3", "N=8, lr 1e-3"],
-        [("N=8", "N=1"), ("N=8", "N=8, equal steps"), ("N=8", "N=8, aggregator frozen"), ("N=4", "N=1"),
+        [("N=8", "N=1"), ("N=8", "N=8, equal steps"), ("N=8", "N=8, aggregator frozen"), ("N=4", "N=1"), ("N=2", "N=1"),
          ("N=4", "N=4, equal steps"), ("N=4", "N=4, aggregator frozen"), ("N=8, lr 1e-3", "N=1, lr 1e-3")],
         roles=("generator", "aggregator"), panel=("displacement", ("generator",), "generator adapter's ‖Δθ‖ / step"),
         runs="python sweep.py --jobs 1 --tasks math --workflows voting --sharings isolated --lrs 2e-3 --seeds S "
