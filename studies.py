@@ -110,7 +110,7 @@ STUDIES = {
         _check_length,
         [f"{w}, L={L}" for w in ("voting", "eval_opt") for L in (0, 8, 24)],
         [("voting, L=24", "voting, L=0"), ("eval_opt, L=24", "eval_opt, L=0")],
-        roles=("generator", "aggregator", "evaluator"), mechanisms=["share", "len", "parse_fail"],
+        roles=("generator", "aggregator", "evaluator"), mechanisms=["share", "move_cos", "displacement", "len", "parse_fail"],
         panel=("share", ("aggregator", "evaluator"), "supervisor's gradient share"), model_by="toy_check",
         runs="python sweep.py --jobs 1 --tasks math --workflows voting eval_opt --sharings shared --lrs 2e-3 "
              "--seeds S --axis toy-check=0,8,24 -- --steps 60 --eval-every 10 --eval-problems 256"),
@@ -223,17 +223,26 @@ def _mean_se(xs: list):
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
 
 
-def _adapter_move(run: dict, role: str):
-    """Mean displacement per training step of the adapter `role` trains."""
-    xs = [m["roles"][role]["displacement"] for m in run["metrics"]
-          if role in m.get("roles", {}) and m["roles"][role].get("displacement") is not None]
+def _per_step(run: dict, role: str, key: str):
+    """Mean over training steps of one of a role's per-step numbers (metrics.jsonl `roles`)."""
+    xs = [m["roles"][role][key] for m in run["metrics"]
+          if role in m.get("roles", {}) and m["roles"][role].get(key) is not None]
     return sum(xs) / len(xs) if xs else None
+
+
+def _adapter_move(run: dict, role: str):
+    """Mean displacement per training step of the adapter `role` trains. Under shared every
+    role trains the one adapter: its move is given once, under the run's first role."""
+    if run["config"].get("sharing") == "shared" and role != next(iter(run["metrics"][-1].get("roles", {})), None):
+        return None
+    return _per_step(run, role, "displacement")
 
 
 def _mechanism(run: dict, s: dict, key: str, role: str):
     """One mechanism number of one run for a role: its adapter's displacement per step, its
     gradient share, its length and parse-failure rate at the end (the last tenth / the last
-    evaluation), the damping's mean scale."""
+    evaluation), the damping's mean scale, and under shared the cosine between the role's
+    descent direction and the one adapter's move (`move_cos`: which role the move followed)."""
     m = s["mechanisms"]
     if key == "displacement":
         return _adapter_move(run, role)
@@ -243,6 +252,8 @@ def _mechanism(run: dict, s: dict, key: str, role: str):
         return (m["len_drift"].get(role) or (None, None))[1]
     if key == "parse_fail":
         return (m.get("parse_fail_drift", {}).get(role) or (None, None))[1]
+    if key == "move_cos":
+        return _per_step(run, role, "move_cos")
     if key == "damp_scale":
         return m.get("damp_scale", {}).get(role)
     raise KeyError(key)
@@ -340,7 +351,10 @@ def report_text(study: str) -> str:
     parts = [f"{n} run{'s' if n > 1 else ''} in results/{study}/, from {code}. "
              "Accuracy in %, mean ± standard error over seeds; mechanisms: means over seeds "
              "(displacement: the adapter's move per training step; len: tokens in the last tenth "
-             "of training; parse_fail: at the last evaluation; share: of the step's gradient mass).",
+             "of training; parse_fail: at the last evaluation; share: of the step's gradient mass"
+             + ("; move_cos: cosine between the role's descent direction and the shared adapter's "
+                "move, whose displacement is shown once, under the first role" if "move_cos" in st.mechanisms else "")
+             + ").",
              "", table(study, rows), "", *contrast_lines(study, rows)]
     return "\n".join(parts).rstrip()
 

@@ -169,3 +169,17 @@ def test_a_block_is_rewritten_in_place(tmp_path):
     assert studies.read_block("x", str(page)) == "new\ntable"
     studies.write_block("y", "more", str(page))
     assert studies.read_block("y", str(page)) == "more" and studies.read_block("x", str(page)) == "new\ntable"
+
+
+def test_under_shared_the_one_adapters_move_is_given_once_and_move_cos_per_role():
+    def step(disp, cos_g, cos_e):
+        return {"roles": {"generator": {"displacement": disp, "move_cos": cos_g},
+                          "evaluator": {"displacement": disp, "move_cos": cos_e}}}
+    run = {"config": {"sharing": "shared"}, "metrics": [step(0.2, 0.5, 0.1), step(0.4, 0.3, None)]}
+    S = {"mechanisms": {}}
+    assert studies._mechanism(run, S, "displacement", "generator") == pytest.approx(0.3)
+    assert studies._mechanism(run, S, "displacement", "evaluator") is None        # the same adapter, not twice
+    assert studies._mechanism(run, S, "move_cos", "generator") == pytest.approx(0.4)
+    assert studies._mechanism(run, S, "move_cos", "evaluator") == pytest.approx(0.1)  # steps with no gradient skip
+    run["config"]["sharing"] = "isolated"                                               # each role its own adapter
+    assert studies._mechanism(run, S, "displacement", "evaluator") == pytest.approx(0.3)
