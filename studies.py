@@ -110,7 +110,8 @@ STUDIES = {
         _check_length,
         [f"{w}, L={L}" for w in ("voting", "eval_opt") for L in (0, 8, 24)],
         [("voting, L=24", "voting, L=0"), ("eval_opt, L=24", "eval_opt, L=0")],
-        roles=("generator", "aggregator", "evaluator"), mechanisms=["share", "move_cos", "displacement", "len", "parse_fail"],
+        roles=("generator", "aggregator", "evaluator"),
+        mechanisms=["share", "move_cos", "displacement", "len", "parse_fail"],
         panel=("share", ("aggregator", "evaluator"), "supervisor's gradient share"), model_by="toy_check",
         runs="python sweep.py --jobs 1 --tasks math --workflows voting eval_opt --sharings shared --lrs 2e-3 "
              "--seeds S --axis toy-check=0,8,24 -- --steps 60 --eval-every 10 --eval-problems 256"),
@@ -233,7 +234,8 @@ def _per_step(run: dict, role: str, key: str):
 def _adapter_move(run: dict, role: str):
     """Mean displacement per training step of the adapter `role` trains. Under shared every
     role trains the one adapter: its move is given once, under the run's first role."""
-    if run["config"].get("sharing") == "shared" and role != next(iter(run["metrics"][-1].get("roles", {})), None):
+    first = next(iter((run["metrics"] or [{}])[-1].get("roles", {})), None)
+    if run["config"].get("sharing") == "shared" and role != first:
         return None
     return _per_step(run, role, "displacement")
 
