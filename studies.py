@@ -22,8 +22,12 @@ Choices:
   (e.g. "N=8, equal steps"). Per arm: seeds, base / peak / final accuracy and the drop from
   the peak (mean ± standard error over seeds), terminal cliffs k/n (analysis.py's rule), and
   the study's mechanism columns.
-- A contrast "A minus B" is the difference of the two arms' mean final accuracy, D ± E points
-  with E = sqrt(se_A^2 + se_B^2) (the seeds of two arms are independent draws).
+- A contrast "A minus B" is the difference of the two arms' means of one measure, D ± E points
+  with E = sqrt(se_A^2 + se_B^2) (the seeds of two arms are independent draws). Every study
+  contrasts the final accuracy; a study names more measures (Study.measures): the drop from
+  the peak, where the question is a collapse, and the gain (final minus the run's own step 0),
+  where the arms start from different toy models (capture), so that final minus final would
+  mix the toy models with the training.
 - docs/RESULTS.md holds each study's block between `<!-- study NAME -->` and
   `<!-- end NAME -->`, written by `report --write`; tests/test_results.py regenerates every
   block from results/ and fails when the page and the logs drift apart.
@@ -79,12 +83,16 @@ class Study:
     title: str
     arm: object                                   # config -> arm name
     order: list                                   # the arms, in the table's order
-    contrasts: list                               # [(arm A, arm B)]: final accuracy A minus B
+    contrasts: list                               # [(arm A, arm B)]: A minus B, for each measure
     roles: tuple = ()                             # roles whose mechanism columns the table shows
     runs: str = ""                                # how the runs were made (the page shows it)
     panel: tuple = ()                             # the figure's mechanism: (key, roles, label), the first role a run has
     model_by: str = ""                            # the config key whose value selects the toy model (a knob of the study)
     mechanisms: list = field(default_factory=lambda: ["displacement", "len", "parse_fail"])
+    measures: tuple = ("final_acc",)              # what the contrasts compare (MEASURES)
+
+
+MEASURES = {"final_acc": "final accuracy", "gain": "the gain (final minus step 0)", "drop": "the drop from the peak"}
 
 
 STUDIES = {
@@ -109,10 +117,11 @@ STUDIES = {
         "Capture: Shared, math, the supervisors' check length L (their gradient mass)",
         _check_length,
         [f"{w}, L={L}" for w in ("voting", "eval_opt") for L in (0, 8, 24)],
-        [("voting, L=24", "voting, L=0"), ("eval_opt, L=24", "eval_opt, L=0")],
+        [(f"{w}, L={L}", f"{w}, L=0") for w in ("voting", "eval_opt") for L in (8, 24)],
         roles=("generator", "aggregator", "evaluator"),
         mechanisms=["share", "move_cos", "displacement", "len", "parse_fail"],
         panel=("share", ("aggregator", "evaluator"), "supervisor's gradient share"), model_by="toy_check",
+        measures=("final_acc", "gain", "drop"),
         runs="python sweep.py --jobs 1 --tasks math --workflows voting eval_opt --sharings shared --lrs 2e-3 "
              "--seeds S --axis toy-check=0,8,24 -- --steps 60 --eval-every 10 --eval-problems 256"),
     "damping": Study(
@@ -122,6 +131,7 @@ STUDIES = {
         [(f"{w}, damping", f"{w}, {b}") for w in ("orch_workers", "eval_opt") for b in ("none", "placebo")],
         roles=("worker", "generator"), mechanisms=["displacement", "damp_scale"],
         panel=("displacement", ("worker", "generator"), "damped role's adapter ‖Δθ‖ / step"),
+        measures=("final_acc", "drop"),
         runs="python sweep.py --jobs 1 --tasks math --workflows W --sharings isolated --lrs 2e-3 --seeds S "
              "-- --steps 60 --eval-every 10 --eval-problems 256 [--coherence-damp worker=0.5 | generator=0.5] "
              "[--damp-placebo]"),
@@ -280,18 +290,20 @@ def arm_row(st: Study, name: str, runs: list) -> dict:
     for key in ("base_acc", "peak_acc", "final_acc"):
         row[key] = _mean_se([100 * s[key] if s[key] is not None else None for _, s in runs])
     row["drop"] = _mean_se([100 * (s["peak_acc"] - s["final_acc"]) for _, s in runs if s["final_acc"] is not None])
+    row["gain"] = _mean_se([100 * (s["final_acc"] - s["base_acc"]) for _, s in runs
+                            if s["final_acc"] is not None and s["base_acc"] is not None])
     for key in st.mechanisms:
         for role in st.roles:
             row[f"{key}:{role}"] = _mean_se([_mechanism(run, s, key, role) for run, s in runs])[0]
     return row
 
 
-def contrast(rows: dict, a: str, b: str):
-    """(D, E, n_a, n_b): final accuracy of arm a minus arm b, in points, with its standard error;
-    None when either arm lacks runs."""
+def contrast(rows: dict, a: str, b: str, measure: str = "final_acc"):
+    """(D, E, n_a, n_b): a measure (MEASURES) of arm a minus arm b, in points, with its standard
+    error; None when either arm lacks runs."""
     if a not in rows or b not in rows:
         return None
-    (ma, sa), (mb, sb) = rows[a]["final_acc"], rows[b]["final_acc"]
+    (ma, sa), (mb, sb) = rows[a][measure], rows[b][measure]
     if ma is None or mb is None:
         return None
     e = math.sqrt(sa ** 2 + sb ** 2) if sa is not None and sb is not None else None
@@ -316,12 +328,15 @@ def table(study: str, rows: dict) -> str:
     st = STUDIES[study]
     # a column that is nowhere measured or everywhere 0 (a generator's parse failures) says nothing
     mech = [(k, r) for k in st.mechanisms for r in st.roles if any(row.get(f"{k}:{r}") for row in rows.values())]
-    head = ["arm", "seeds", "base", "peak", "final", "peak - final", "cliffs"] + [f"{k} {r}" for k, r in mech]
+    gain = "gain" in st.measures   # the arms start from different toy models: show final minus step 0
+    head = ["arm", "seeds", "base", "peak", "final"] + ["final - base"] * gain + ["peak - final", "cliffs"] \
+        + [f"{k} {r}" for k, r in mech]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in [a for a in st.order if a in rows] + sorted(set(rows) - set(st.order)):
         row = rows[name]
-        cells = [name, ",".join(map(str, row["seeds"])), _pm(row["base_acc"]), _pm(row["peak_acc"]), _pm(row["final_acc"]),
-                 _pm(row["drop"]), f"{row['cliffs']}/{len(row['seeds'])}"] + [_num(row[f"{k}:{r}"]) for k, r in mech]
+        cells = [name, ",".join(map(str, row["seeds"])), _pm(row["base_acc"]), _pm(row["peak_acc"]), _pm(row["final_acc"])] \
+            + [_pm(row["gain"])] * gain + [_pm(row["drop"]), f"{row['cliffs']}/{len(row['seeds'])}"] \
+            + [_num(row[f"{k}:{r}"]) for k, r in mech]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -329,12 +344,13 @@ def table(study: str, rows: dict) -> str:
 def contrast_lines(study: str, rows: dict) -> list:
     out = []
     for a, b in STUDIES[study].contrasts:
-        c = contrast(rows, a, b)
-        if c is None:
-            continue
-        d, e, na, nb = c
-        out.append(f"- final accuracy, {a} minus {b}: {d:+.1f} ± {'?' if e is None else f'{e:.1f}'} points "
-                   f"(mean ± standard error over seeds; {na} and {nb} seeds)")
+        for measure in STUDIES[study].measures:
+            c = contrast(rows, a, b, measure)
+            if c is None:
+                continue
+            d, e, na, nb = c
+            out.append(f"- {MEASURES[measure]}, {a} minus {b}: {d:+.1f} ± {'?' if e is None else f'{e:.1f}'} "
+                       f"points (mean ± standard error over seeds; {na} and {nb} seeds)")
     return out
 
 

@@ -123,6 +123,31 @@ def test_capture_keeps_one_toy_model_per_check_length(tmp_path, monkeypatch):
             "cccccccccccc (toy_check 24)") in studies.report_text("capture")
 
 
+def test_capture_contrasts_the_gain_and_the_drop_where_toy_models_start_apart(tmp_path, monkeypatch):
+    """Each L starts from its own toy model: besides final minus final, capture contrasts each
+    run's gain over its own step 0 and its drop from its peak, and its table shows the gain."""
+    monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
+    accs = {(0, 0): [0.40, 0.50, 0.50], (0, 1): [0.44, 0.50, 0.48],     # gains 10, 4; drops 0, 2
+            (24, 0): [0.30, 0.36, 0.30], (24, 1): [0.34, 0.40, 0.36]}   # gains 0, 2; drops 6, 4
+    for (check, seed), a in accs.items():
+        folder = synthetic_run(tmp_path / "runs", "eval_opt", "math", "shared", seed=seed, lr=2e-3, steps=20,
+                               eval_every=10, accs=a, name=f"l{check}-s{seed}")
+        _with_config(folder, provenance={**ORIGIN, "model_sha256": ("c" if check else "b") * 64}, toy_check=check)
+        open(os.path.join(folder, "done"), "w").close()
+        studies.keep("capture", folder)
+    lines = studies.report_text("capture").splitlines()
+
+    def contrast(measure):
+        return next(x for x in lines if x.startswith(f"- {measure}, eval_opt, L=24 minus eval_opt, L=0:"))
+    assert "-16.0 ± 3.2 points" in contrast("final accuracy")              # 33 against 49: se 3 and 1
+    assert "-6.0 ± 3.2 points" in contrast("the gain (final minus step 0)")  # 1 against 7: se 1 and 3
+    assert "+4.0 ± 1.4 points" in contrast("the drop from the peak")         # 5 against 1: se 1 and 1
+    assert not any("L=8 minus" in x for x in lines)                          # an arm without runs: no contrast
+    assert "| final - base | peak - final |" in lines[2]
+    assert "| eval_opt, L=24 | 0,1 | 32.0 ± 2.0 | 38.0 ± 2.0 | 33.0 ± 3.0 | 1.0 ± 1.0 | 5.0 ± 1.0 | 0/2 |" \
+        in "\n".join(lines)
+
+
 def test_restore_puts_kept_runs_back_where_a_sweep_rerun_skips_them(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
     monkeypatch.setattr(studies, "GZIP_OVER", 2000)   # the metrics are kept compressed
