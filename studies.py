@@ -450,16 +450,22 @@ def main(argv=None):
 
 
 def figure_values(study: str) -> tuple:
-    """(arms in the study's order, {panel label: {arm: [one value per seed]}}): final and peak
-    accuracy in %, and the study's mechanism panel where its runs log it."""
+    """(arms in the study's order, {panel label: {arm: [one value per seed]}}): final accuracy
+    in %, then the study's other measures in points (its gain, its drop; the peak where it has
+    none), and the study's mechanism panel where its runs log it."""
     groups, st = arms(study), STUDIES[study]
     names = [a for a in st.order if a in groups] + sorted(set(groups) - set(st.order))
 
     def per_seed(value):
         return {a: [v for v in (value(run, s) for run, s in groups[a]) if v is not None] for a in names}
 
-    values = {"final accuracy (%)": per_seed(lambda run, s: None if s["final_acc"] is None else 100 * s["final_acc"]),
-              "peak accuracy (%)": per_seed(lambda run, s: None if s["peak_acc"] is None else 100 * s["peak_acc"])}
+    def points(a, b=None):
+        return lambda run, s: None if s[a] is None or (b and s[b] is None) else 100 * (s[a] - (s[b] if b else 0))
+    panels = {"gain": ("final - step 0 (points)", points("final_acc", "base_acc")),
+              "drop": ("peak - final (points)", points("peak_acc", "final_acc"))}
+    extra = [panels[m] for m in st.measures if m in panels] or [("peak accuracy (%)", points("peak_acc"))]
+    values = {"final accuracy (%)": per_seed(points("final_acc"))}
+    values.update((label, per_seed(value)) for label, value in extra)
     if st.panel:
         key, roles, label = st.panel
         mech = per_seed(lambda run, s: next((v for v in (_mechanism(run, s, key, r) for r in roles) if v is not None), None))

@@ -146,6 +146,10 @@ def test_capture_contrasts_the_gain_and_the_drop_where_toy_models_start_apart(tm
     assert "| final - base | peak - final |" in lines[2]
     assert "| eval_opt, L=24 | 0,1 | 32.0 ± 2.0 | 38.0 ± 2.0 | 33.0 ± 3.0 | 1.0 ± 1.0 | 5.0 ± 1.0 | 0/2 |" \
         in "\n".join(lines)
+    names, values = studies.figure_values("capture")                      # the figure shows the same measures
+    assert list(values)[:3] == ["final accuracy (%)", "final - step 0 (points)", "peak - final (points)"]
+    assert values["final - step 0 (points)"]["eval_opt, L=24"] == [pytest.approx(0.0), pytest.approx(2.0)]
+    assert values["peak - final (points)"]["eval_opt, L=0"] == [pytest.approx(0.0), pytest.approx(2.0)]
 
 
 def test_restore_puts_kept_runs_back_where_a_sweep_rerun_skips_them(tmp_path, monkeypatch, capsys):
