@@ -27,7 +27,10 @@ Choices:
   contrasts the final accuracy; a study names more measures (Study.measures): the drop from
   the peak, where the question is a collapse, and the gain (final minus the run's own step 0),
   where the arms start from different toy models (capture), so that final minus final would
-  mix the toy models with the training.
+  mix the toy models with the training. Where a seed's arms share the toy model, the problems
+  and step 0's samples (Study.paired: amplification, damping), each contrast is also given
+  paired by seed: the mean of the per-seed differences over the seeds both arms ran, with
+  its standard error, which leaves out how far the seeds themselves lie apart.
 - docs/RESULTS.md holds each study's block between `<!-- study NAME -->` and
   `<!-- end NAME -->`, written by `report --write`; tests/test_results.py regenerates every
   block from results/ and fails when the page and the logs drift apart.
@@ -90,6 +93,7 @@ class Study:
     model_by: str = ""                            # the config key whose value selects the toy model (a knob of the study)
     mechanisms: list = field(default_factory=lambda: ["displacement", "len", "parse_fail"])
     measures: tuple = ("final_acc",)              # what the contrasts compare (MEASURES)
+    paired: bool = False                          # a seed's arms share model, problems, step 0: pair by seed
 
 
 MEASURES = {"final_acc": "final accuracy", "gain": "the gain (final minus step 0)", "drop": "the drop from the peak"}
@@ -109,6 +113,7 @@ STUDIES = {
         [("N=8", "N=1"), ("N=8", "N=8, equal steps"), ("N=8", "N=8, aggregator frozen"), ("N=4", "N=1"), ("N=2", "N=1"),
          ("N=4", "N=4, equal steps"), ("N=4", "N=4, aggregator frozen"), ("N=8, lr 1e-3", "N=1, lr 1e-3")],
         roles=("generator", "aggregator"), panel=("displacement", ("generator",), "generator adapter's ‖Δθ‖ / step"),
+        paired=True,
         runs="python sweep.py --jobs 1 --tasks math --workflows voting --sharings isolated --lrs 2e-3 --seeds S "
              "--axis n-voters=8,4,2,1 -- --steps 60 --eval-every 10 --eval-problems 256; equal steps: "
              "--axis n-voters=N --axis mini-batch=128N; aggregator frozen: -- --lr-role aggregator=0; "
@@ -131,7 +136,7 @@ STUDIES = {
         [(f"{w}, damping", f"{w}, {b}") for w in ("orch_workers", "eval_opt") for b in ("none", "placebo")],
         roles=("worker", "generator"), mechanisms=["displacement", "damp_scale"],
         panel=("displacement", ("worker", "generator"), "damped role's adapter ‖Δθ‖ / step"),
-        measures=("final_acc", "drop"),
+        measures=("final_acc", "drop"), paired=True,
         runs="python sweep.py --jobs 1 --tasks math --workflows W --sharings isolated --lrs 2e-3 --seeds S "
              "-- --steps 60 --eval-every 10 --eval-problems 256 [--coherence-damp worker=0.5 | generator=0.5] "
              "[--damp-placebo]"),
@@ -292,10 +297,26 @@ def arm_row(st: Study, name: str, runs: list) -> dict:
     row["drop"] = _mean_se([100 * (s["peak_acc"] - s["final_acc"]) for _, s in runs if s["final_acc"] is not None])
     row["gain"] = _mean_se([100 * (s["final_acc"] - s["base_acc"]) for _, s in runs
                             if s["final_acc"] is not None and s["base_acc"] is not None])
+    row["by_seed"] = {s["seed"]: {"final_acc": 100 * s["final_acc"], "drop": 100 * (s["peak_acc"] - s["final_acc"]),
+                                  "gain": 100 * (s["final_acc"] - s["base_acc"])}
+                      for _, s in runs if s["final_acc"] is not None and s["base_acc"] is not None}
     for key in st.mechanisms:
         for role in st.roles:
             row[f"{key}:{role}"] = _mean_se([_mechanism(run, s, key, role) for run, s in runs])[0]
     return row
+
+
+def paired_contrast(rows: dict, a: str, b: str, measure: str = "final_acc"):
+    """(D, E, n): the mean over the seeds both arms ran of (a's measure minus b's), in points,
+    and its standard error; None for fewer than 2 such seeds."""
+    if a not in rows or b not in rows:
+        return None
+    sa, sb = rows[a]["by_seed"], rows[b]["by_seed"]
+    diffs = [sa[k][measure] - sb[k][measure] for k in sorted(set(sa) & set(sb))]
+    if len(diffs) < 2:
+        return None
+    d, e = _mean_se(diffs)
+    return d, e, len(diffs)
 
 
 def contrast(rows: dict, a: str, b: str, measure: str = "final_acc"):
@@ -351,6 +372,10 @@ def contrast_lines(study: str, rows: dict) -> list:
             d, e, na, nb = c
             out.append(f"- {MEASURES[measure]}, {a} minus {b}: {d:+.1f} ± {'?' if e is None else f'{e:.1f}'} "
                        f"points (mean ± standard error over seeds; {na} and {nb} seeds)")
+            p = paired_contrast(rows, a, b, measure) if STUDIES[study].paired else None
+            if p is not None:
+                out.append(f"  - paired by seed: {p[0]:+.1f} ± {p[1]:.1f} points (mean ± standard error of the "
+                           f"per-seed differences; {p[2]} seeds)")
     return out
 
 

@@ -143,6 +143,7 @@ def test_capture_contrasts_the_gain_and_the_drop_where_toy_models_start_apart(tm
     assert "-6.0 ± 3.2 points" in contrast("the gain (final minus step 0)")  # 1 against 7: se 1 and 3
     assert "+4.0 ± 1.4 points" in contrast("the drop from the peak")         # 5 against 1: se 1 and 1
     assert not any("L=8 minus" in x for x in lines)                          # an arm without runs: no contrast
+    assert not any("paired by seed" in x for x in lines)   # each L is its own toy model: its seeds are not pairs
     assert "| final - base | peak - final |" in lines[2]
     assert "| eval_opt, L=24 | 0,1 | 32.0 ± 2.0 | 38.0 ± 2.0 | 33.0 ± 3.0 | 1.0 ± 1.0 | 5.0 ± 1.0 | 0/2 |" \
         in "\n".join(lines)
@@ -185,6 +186,8 @@ def test_arms_contrasts_and_the_table(tmp_path, monkeypatch):
     se = math.sqrt(5.0 ** 2 + 3.0 ** 2)   # 30, 40 and 50, 56: standard errors 5 and 3
     line = next(x for x in text.splitlines() if x.startswith("- final accuracy, N=8 minus N=1"))
     assert f"{d:+.1f} ± {se:.1f} points" in line and "2 and 2 seeds" in line
+    paired = text.splitlines()[text.splitlines().index(line) + 1]   # seed 0: 30 - 50, seed 1: 40 - 56
+    assert paired.strip() == "- paired by seed: -18.0 ± 2.0 points (mean ± standard error of the per-seed differences; 2 seeds)"
     assert "| N=8, equal steps | 0,1 | 50.0 ± 0.0 | 60.0 ± 0.0 | 47.0 ± 2.0 | 13.0 ± 2.0 | 0/2 |" in text
     assert text.index("| N=1 |") < text.index("| N=8 |") < text.index("| N=8, equal steps |")   # the study's order
     assert "6 runs in results/amplification/, from commit aaaaaaa and toy model bbbbbbbbbbbb" in text
