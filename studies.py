@@ -289,17 +289,22 @@ def arms(study: str, folders: list | None = None) -> dict:
     return out
 
 
+def run_measures(s: dict) -> dict:
+    """One run's MEASURES in points (None where an accuracy is missing)."""
+    def points(a, b=None):
+        return None if s[a] is None or (b and s[b] is None) else 100 * (s[a] - (s[b] if b else 0))
+    return {"final_acc": points("final_acc"), "gain": points("final_acc", "base_acc"),
+            "drop": points("peak_acc", "final_acc"), "peak_acc": points("peak_acc")}
+
+
 def arm_row(st: Study, name: str, runs: list) -> dict:
     """An arm's numbers: accuracy stats in points, cliffs, per role the mechanism means."""
     row = {"arm": name, "seeds": sorted(s["seed"] for _, s in runs), "cliffs": sum(bool(s["cliff"]) for _, s in runs)}
     for key in ("base_acc", "peak_acc", "final_acc"):
         row[key] = _mean_se([100 * s[key] if s[key] is not None else None for _, s in runs])
-    row["drop"] = _mean_se([100 * (s["peak_acc"] - s["final_acc"]) for _, s in runs if s["final_acc"] is not None])
-    row["gain"] = _mean_se([100 * (s["final_acc"] - s["base_acc"]) for _, s in runs
-                            if s["final_acc"] is not None and s["base_acc"] is not None])
-    row["by_seed"] = {s["seed"]: {"final_acc": 100 * s["final_acc"], "drop": 100 * (s["peak_acc"] - s["final_acc"]),
-                                  "gain": 100 * (s["final_acc"] - s["base_acc"])}
-                      for _, s in runs if s["final_acc"] is not None and s["base_acc"] is not None}
+    row["by_seed"] = {s["seed"]: run_measures(s) for _, s in runs}
+    for m in ("drop", "gain"):
+        row[m] = _mean_se([row["by_seed"][k][m] for k in row["seeds"]])
     for key in st.mechanisms:
         for role in st.roles:
             row[f"{key}:{role}"] = _mean_se([_mechanism(run, s, key, role) for run, s in runs])[0]
@@ -312,7 +317,8 @@ def paired_contrast(rows: dict, a: str, b: str, measure: str = "final_acc"):
     if a not in rows or b not in rows:
         return None
     sa, sb = rows[a]["by_seed"], rows[b]["by_seed"]
-    diffs = [sa[k][measure] - sb[k][measure] for k in sorted(set(sa) & set(sb))]
+    diffs = [sa[k][measure] - sb[k][measure] for k in sorted(set(sa) & set(sb))
+             if sa[k][measure] is not None and sb[k][measure] is not None]
     if len(diffs) < 2:
         return None
     d, e = _mean_se(diffs)
@@ -484,13 +490,10 @@ def figure_values(study: str) -> tuple:
     def per_seed(value):
         return {a: [v for v in (value(run, s) for run, s in groups[a]) if v is not None] for a in names}
 
-    def points(a, b=None):
-        return lambda run, s: None if s[a] is None or (b and s[b] is None) else 100 * (s[a] - (s[b] if b else 0))
-    panels = {"gain": ("final - step 0 (points)", points("final_acc", "base_acc")),
-              "drop": ("peak - final (points)", points("peak_acc", "final_acc"))}
-    extra = [panels[m] for m in st.measures if m in panels] or [("peak accuracy (%)", points("peak_acc"))]
-    values = {"final accuracy (%)": per_seed(points("final_acc"))}
-    values.update((label, per_seed(value)) for label, value in extra)
+    labels = {"final_acc": "final accuracy (%)", "gain": "final - step 0 (points)",
+              "drop": "peak - final (points)", "peak_acc": "peak accuracy (%)"}
+    shown = ["final_acc"] + ([m for m in st.measures if m != "final_acc"] or ["peak_acc"])
+    values = {labels[m]: per_seed(lambda run, s, m=m: run_measures(s)[m]) for m in shown}
     if st.panel:
         key, roles, label = st.panel
         mech = per_seed(lambda run, s: next((v for v in (_mechanism(run, s, key, r) for r in roles) if v is not None), None))
