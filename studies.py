@@ -293,17 +293,15 @@ def run_measures(s: dict) -> dict:
     """One run's MEASURES in points (None where an accuracy is missing)."""
     def points(a, b=None):
         return None if s[a] is None or (b and s[b] is None) else 100 * (s[a] - (s[b] if b else 0))
-    return {"final_acc": points("final_acc"), "gain": points("final_acc", "base_acc"),
-            "drop": points("peak_acc", "final_acc"), "peak_acc": points("peak_acc")}
+    return {"base_acc": points("base_acc"), "peak_acc": points("peak_acc"), "final_acc": points("final_acc"),
+            "gain": points("final_acc", "base_acc"), "drop": points("peak_acc", "final_acc")}
 
 
 def arm_row(st: Study, name: str, runs: list) -> dict:
     """An arm's numbers: accuracy stats in points, cliffs, per role the mechanism means."""
     row = {"arm": name, "seeds": sorted(s["seed"] for _, s in runs), "cliffs": sum(bool(s["cliff"]) for _, s in runs)}
-    for key in ("base_acc", "peak_acc", "final_acc"):
-        row[key] = _mean_se([100 * s[key] if s[key] is not None else None for _, s in runs])
     row["by_seed"] = {s["seed"]: run_measures(s) for _, s in runs}
-    for m in ("drop", "gain"):
+    for m in ("base_acc", "peak_acc", "final_acc", "gain", "drop"):
         row[m] = _mean_se([row["by_seed"][k][m] for k in row["seeds"]])
     for key in st.mechanisms:
         for role in st.roles:
