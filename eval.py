@@ -395,7 +395,7 @@ def resolve_settings(args) -> tuple:
     if not st["data"]:
         raise ValueError(f"--task {st['task']} has no default data set at this scale; pass --data")
     st["params"] = _workflow_params(args, cfg, st["workflow"])
-    st["toy_check"] = cfg.get("toy_check") or 0
+    st["toy_check"], st["toy_seed"] = cfg.get("toy_check") or 0, cfg.get("toy_seed") or 0
     default_new, default_prompt, default_embed = tasks.length_limits(st["scale"], st["task"])
     st["max_new_tokens"] = st["max_new_tokens"] or default_new
     st["max_prompt_tokens"] = st["max_prompt_tokens"] or default_prompt
@@ -453,7 +453,7 @@ def _llm_from_settings(args, st: dict, kind: str):
     import policies
     import rollout
     model, tokenizer = policies.load(st["scale"], device=args.device, toy_task=kind, quiet=args.quiet or args.json,
-                                     toy_check=st["toy_check"])
+                                     toy_check=st["toy_check"], toy_seed=st["toy_seed"])
     policy = policies.Policy(model, tokenizer, workflows.ROLES[st["workflow"]], st["sharing"],
                              isolation=st["isolation"], rank=st["lora_rank"], alpha=st["lora_alpha"])
     if st["checkpoint"]:

@@ -81,6 +81,8 @@ def _what_flags(g):
     g.add_argument("--toy-check", type=int, default=None, help="toy world only: the supervisors (aggregator, "
                    "evaluator) write a check of this many tokens before their verdict, learned in the warm start "
                    "(a knob of their share of each step's gradient) (default: 0)")
+    g.add_argument("--toy-seed", type=int, default=None, help="toy world only: the warm-start seed of the toy model, "
+                   "another model of the same settings (0, 1 and 2 are shipped in toy_models/ for math) (default: 0)")
 
 
 def add_workflow_flags(g):
@@ -125,6 +127,7 @@ def _rollout_flags(g):
 
 
 def _optimisation_flags(g):
+    import workflows
     g.add_argument("--steps", type=int, default=None, help="training steps" + scale_default("steps"))
     g.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: %g LoRA / %g full at --scale "
                    "toy, %g LoRA / %g full otherwise)" % (*LR["lora"][:1], *LR["full"][:1], LR["lora"][1], LR["full"][1]))
@@ -140,6 +143,9 @@ def _optimisation_flags(g):
     g.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above 1, clip-higher (default: %(default)s)")
     g.add_argument("--clip-c", type=float, default=3.0, help="dual clip for negative advantages (default: %(default)s)")
     g.add_argument("--loss-norm", default="seq", choices=["seq", "token"], help="seq: mean of per-sequence token means (paper); token: mean over all tokens (default: %(default)s)")
+    g.add_argument("--credit", default="final", choices=list(workflows.CREDITS), help="what a call is paid: final, the "
+                   "grade of its episode's final answer (the paper); own, a solution role's call (voter, worker, "
+                   "Eval-Opt attempt) the grade of its own text, the other roles the final grade (default: %(default)s)")
     g.add_argument("--adv-group", default="slot", choices=["slot", "role"], help="advantage groups: (problem, slot) as the paper, or (problem, role) (default: %(default)s)")
     g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-base coefficient for every role, k3 estimator (default: %(default)s, as the paper)")
     g.add_argument("--kl-coef-role", action="append", default=[], metavar="ROLE=VALUE", help="per-role KL coefficient, repeatable")
@@ -353,6 +359,11 @@ def _check_workflow_params(ap, args):
     error = workflow_param_error(args.workflow, vars(args))
     if error:
         ap.error(error)
+    if args.toy_seed is not None:
+        if args.scale != "toy":
+            ap.error("--toy-seed is a setting of the toy world (--scale toy)")
+        if args.toy_seed < 0:
+            ap.error("--toy-seed must be >= 0")
     if args.toy_check is not None:
         if args.scale != "toy":
             ap.error("--toy-check is a setting of the toy world (--scale toy)")

@@ -11,7 +11,9 @@ Objective minimised at each optimizer step, over the mini-batch M of one optimiz
 
 Each choice and the train.py flag that sets it (the flags fill a `Hyper`, fields of the same names):
 - group g = (problem, slot) (`--adv-group slot`, the paper), or (problem, role) with every
-  same-role slot pooled (`--adv-group role`). The episode's 0/1 reward is copied to each call.
+  same-role slot pooled (`--adv-group role`). R_i: the episode's 0/1 reward, copied to each call
+  (`--credit final`, the paper), or for a solution role's call the grade of its own text
+  (`--credit own`, workflows.pay).
 - eps_low / eps_high: `--clip-low 0.2 --clip-high 0.28` (clip-higher); c: `--clip-c 3.0` (dual
   clip: for A < 0 a token's loss is capped at c |A|, so a huge ratio cannot blow up the step).
 - normalisation: `--loss-norm seq` (mean over sequences of each sequence's token mean, paper) or
@@ -77,7 +79,7 @@ class Sample:
     completion_ids: list       # sampled ids, stop token included
     sampler_logprobs: list     # the sampler's logprob of each completion id
     finished: bool             # False: cut at the length limit
-    reward: float              # the episode's reward, unchanged
+    reward: float              # what the call is paid: its episode's reward, or its own (--credit own)
     advantage: float           # group-normalised reward
     rollout: int = 0           # which of the problem's G episodes (for logs)
     call: int = 0              # index of the call within its episode (for logs)
@@ -113,7 +115,8 @@ def samples_from_episodes(episodes, group_by: str = "slot") -> list:
     """Every call of every (scored) episode as a Sample, with its group's advantage.
 
     Reads only attributes: episode.problem_id, .rollout, .reward, .calls; call.role, .slot,
-    .prompt_ids, .completion_ids, .logprobs, .finished."""
+    .prompt_ids, .completion_ids, .logprobs, .finished, and .reward where it is set (what the
+    call is paid under --credit own, workflows.pay) instead of the episode's."""
     if group_by not in ("slot", "role"):
         raise ValueError(f"group_by must be slot or role, got {group_by!r}")
     samples = []
@@ -125,11 +128,17 @@ def samples_from_episodes(episodes, group_by: str = "slot") -> list:
                 continue
             samples.append(Sample(c.role, c.slot, str(ep.problem_id), list(c.prompt_ids),
                                   list(c.completion_ids), [float(x) for x in c.logprobs],
-                                  bool(c.finished), float(ep.reward), 0.0, ep.rollout, i))
+                                  bool(c.finished), float(_paid(ep, c)), 0.0, ep.rollout, i))
     keys = [(s.problem_id, s.slot if group_by == "slot" else s.role) for s in samples]
     for s, a in zip(samples, group_advantages([s.reward for s in samples], keys)):
         s.advantage = a
     return samples
+
+
+def _paid(episode, call) -> float:
+    """The call's own reward where one was set (workflows.pay), else its episode's."""
+    own = getattr(call, "reward", None)
+    return episode.reward if own is None else own
 
 
 # ----------------------------------------------------------------------------- logprobs

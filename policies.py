@@ -52,10 +52,10 @@ def check_scale(scale: str) -> None:
 
 
 def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_task: str = "math",
-         quiet: bool = False, toy_check: int = 0):
+         quiet: bool = False, toy_check: int = 0, toy_seed: int = 0):
     """(model, tokenizer) for a scale name, `toy` (the warm-started toy model of `toy_task`,
-    with supervisors' checks of `toy_check` tokens, built on first use), or a local Hugging Face
-    model folder; `quiet`: no progress bars.
+    with supervisors' checks of `toy_check` tokens, from warm-start seed `toy_seed`: the shipped
+    one, else built on first use), or a local Hugging Face model folder; `quiet`: no progress bars.
 
     The base model is frozen (requires_grad False) and in eval mode (no dropout)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,8 +73,8 @@ def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_
     reading = contextlib.nullcontext()
     if scale == "toy":
         import toy
-        path = toy.model_folder(toy_task, {"check": toy_check} if toy_check else None, quiet=quiet)
-        reading = toy.locked(path, exclusive=False)   # a rebuild cannot replace it while it loads
+        path = toy.model_folder(toy_task, toy.settings(toy_check, toy_seed), quiet=quiet)
+        reading = toy.reading(path)   # a rebuild cannot replace a cached model while it loads
     else:
         path = HUB_IDS.get(scale, scale)
     try:

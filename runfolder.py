@@ -325,11 +325,15 @@ def step_record(run, step, episodes, stats, times):
     roles = run.policy.roles
     local = [sum(e.reward for e in episodes), len(episodes), sum(len(c.completion_ids) for e in episodes for c in e.calls),
              *(sum(c.role == r for e in episodes for c in e.calls) for r in roles),
-             *(sum(e.fallbacks.get(r, 0) for e in episodes) for r in roles)]
+             *(sum(e.fallbacks.get(r, 0) for e in episodes) for r in roles),
+             *(sum(c.role == r and c.reward is not None and c.reward != e.reward for e in episodes for c in e.calls)
+               for r in roles)]
     reward, n, tokens, *rest = run.comm.sum(local) if run.comm else local
-    calls, fallbacks = rest[:len(roles)], rest[len(roles):]
+    k = len(roles)
+    calls, fallbacks, apart = rest[:k], rest[k:2 * k], rest[2 * k:]
     for r, q in stats["roles"].items():
         q["fallback_rate"] = fallbacks[roles.index(r)] / max(1, calls[roles.index(r)])
+        q["paid_apart"] = apart[roles.index(r)] / max(1, calls[roles.index(r)])
     rollout_s = run.comm.sum(times[1] - times[0]) / run.comm.world if run.comm else times[1] - times[0]
     m = {"step": step, "reward": reward / n, "lr": run.schedulers[run.policy.names[0]].get_last_lr()[0], **stats,
          "time": {"rollout": times[1] - times[0], "score": times[2] - times[1],

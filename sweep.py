@@ -30,8 +30,9 @@ Choices:
   run several times slower. A child's output is appended to
   OUT/logs/NAME.log, never shown on the terminal, which shows one progress bar. Cells with the
   most LLM calls per episode start first, so that the last ones to finish are short.
-- At --scale toy the toy model of each task is built first, once, by `python toy.py --task T`
-  (at once when it is cached), so that parallel cells never warm-start the same model twice.
+- At --scale toy the toy model of each task (and --toy-check, --toy-seed) is looked up first,
+  once, by `python toy.py --task T`: at once when it is shipped or cached, else built, so that
+  parallel cells never warm-start the same model twice.
 - Rerunning the same command skips a cell whose folder has `done`, resumes one that has
   config.json but no `done` (the same command plus `--resume OUT/NAME`), and starts the rest.
 - A cell that fails (non-zero exit) is reported with its exit status and the last lines of its
@@ -162,16 +163,19 @@ def command(name, flags, out, extra):
 
 
 def toy_builds(args, jobs):
-    """At --scale toy, one `toy.py --task T [--check L]` per toy model the cells still to run use
-    (it returns at once when cached)."""
+    """At --scale toy, one `toy.py --task T [--check L] [--seed S]` per toy model the cells still
+    to run use (it returns at once when the model is shipped or cached)."""
     if args.scale != "toy":
         return []
-    models = list(dict.fromkeys((j.task, j.cmd[j.cmd.index("--toy-check") + 1] if "--toy-check" in j.cmd else "0")
-                                for j in jobs))
+
+    def value(job, flag):
+        return job.cmd[job.cmd.index(flag) + 1] if flag in job.cmd else "0"
+    models = list(dict.fromkeys((j.task, value(j, "--toy-check"), value(j, "--toy-seed")) for j in jobs))
     builds = []
-    for t, c in sorted(models, key=lambda m: (args.tasks.index(m[0]), int(m[1]))):
-        name = f"toy-{t}" + (f"-check{c}" if c != "0" else "")
-        cmd = [sys.executable, os.path.join(HERE, "toy.py"), "--task", t, *(["--check", c] if c != "0" else [])]
+    for t, c, s in sorted(models, key=lambda m: (args.tasks.index(m[0]), int(m[1]), int(m[2]))):
+        name = f"toy-{t}" + (f"-check{c}" if c != "0" else "") + (f"-seed{s}" if s != "0" else "")
+        cmd = [sys.executable, os.path.join(HERE, "toy.py"), "--task", t, *(["--check", c] if c != "0" else []),
+               *(["--seed", s] if s != "0" else [])]
         builds.append(Job(name, cmd, os.path.join(args.out, "logs", name + ".log")))
     return builds
 

@@ -71,6 +71,7 @@ WARM = dict(steps=520, batch=48, lr=3e-3, warmup=50, seed=0)
 # of three STRATEGY lines can reach ~70, so its third line may be cut (still parsed).
 MAX_NEW_TOKENS, MAX_PROMPT_TOKENS = 48, 400
 
+BUILT_IN_KINDS = ("math", "code")   # the task kinds whose phrases the toy vocabulary holds
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ["\\boxed{Correct}", "\\boxed{Incorrect}", "\\boxed{", "```python\n", "```", "def f(x):\n",
          "    return ", "STRATEGY ", "system\n", "user\n", "assistant\n", "Step ", " looks wrong.",
@@ -81,6 +82,14 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 
 
 # ------------------------------------------------------------------ tokenizer
+
+def phrases() -> tuple:
+    """The toy world's own prompt phrases, one token each: the user-message headers and the
+    built-in math and code kinds' instructions (every role's, the revision turn's, the default).
+    Closed: a fork's registered workflow, instruction or task kind is not among them (its text
+    is spelled in characters), so it leaves the tokenizer, the key and the model as they are."""
+    return wf.phrases(kinds=BUILT_IN_KINDS, registered=False)
+
 
 def build_tokenizer():
     """A Hugging Face fast tokenizer: whole phrases and words first, then single characters."""
@@ -94,7 +103,7 @@ def build_tokenizer():
     tok.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIAL])
     # longest first, so that the added-token matcher prefers "\boxed{Correct}" over "\boxed{";
     # ties alphabetically, so the token ids never depend on the set's (hash-seeded) order
-    words = sorted(set(wf.phrases()) | set(WORDS), key=lambda w: (-len(w), w))
+    words = sorted(set(phrases()) | set(WORDS), key=lambda w: (-len(w), w))
     tok.add_tokens([AddedToken(w, normalized=False) for w in words])
     t = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                 unk_token="?")
@@ -319,31 +328,152 @@ def check_roles(workflow: str, roles) -> None:
 # ------------------------------------------------------------------ warm start
 
 def _key(task: str, warm: dict) -> str:
+    """The model's settings as 10 hex digits: every constant above, the toy vocabulary, and a
+    fingerprint of the transcripts themselves (_fingerprint), so a changed prompt, phrase or
+    transcript is a new key even when no constant moved."""
     blob = json.dumps([task, MODEL, MATH_TERMS, SLIP[task], JUDGE, PICK, warm, SPECIAL, WORDS, CHARS, TEMPLATE,
-                       list(wf.phrases()), STRATEGIES, ROLE_MIX, TRANSCRIPTS], sort_keys=True)
+                       list(phrases()), STRATEGIES, ROLE_MIX, TRANSCRIPTS,
+                       _fingerprint(task, warm.get("check", 0))], sort_keys=True)
     return hashlib.md5(blob.encode()).hexdigest()[:10]
 
 
+def _fingerprint(task: str, check: int) -> str:
+    """md5 of 8 transcripts of every role, drawn with a fixed seed: what the warm start would
+    read, as text (a few milliseconds)."""
+    rng, train = random.Random(0), _all_problems(task, "train")
+    out = [transcript(train[rng.randrange(len(train))], task, role, rng, check) for role in ROLE_MIX for _ in range(8)]
+    return hashlib.md5(json.dumps(out).encode()).hexdigest()
+
+
+def settings(check: int = 0, seed: int = 0) -> dict:
+    """The warm-start settings that train.py's --toy-check and --toy-seed change (unset at 0,
+    so the default model's key does not depend on them)."""
+    return {**({"check": check} if check else {}), **({"seed": seed} if seed else {})}
+
+
 COMPLETE = "complete"   # the file a build writes last into its folder, before publishing it
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHIPPED = os.path.join(HERE, "toy_models")      # the models the repository ships, with MANIFEST.json
 
 
 def model_folder(task: str = "math", warm: dict | None = None, force: bool = False, quiet: bool = False) -> str:
-    """Folder of the warm-started toy model for `task`, building it on first use. Any number of
-    processes may ask at once (torchrun ranks, sweep cells): one builds, under the folder's
-    lock, while the others wait for it and then use its model. `MARL_TOY_WARM` (JSON, e.g.
-    '{"steps": 2, "batch": 4}') overrides WARM, for tests and quick looks; it changes the key."""
+    """Folder of the warm-started toy model for `task`: the shipped one (toy_models/) when its
+    key is these settings', checked against its manifest, else one built into the cache on first
+    use. Any number of processes may ask at once (torchrun ranks, sweep cells): one builds, under
+    the folder's lock, while the others wait for it and then use its model. `MARL_TOY_WARM`
+    (JSON, e.g. '{"steps": 2, "batch": 4}') overrides WARM, for tests and quick looks; it
+    changes the key. `force`: rebuild into the cache even when a model is shipped or cached."""
     if task not in ("math", "code"):
         raise ValueError(f"toy task must be math or code, got {task!r}")
     warm = {**WARM, **json.loads(os.environ.get("MARL_TOY_WARM") or "{}"), **(warm or {})}
-    folder = os.path.join(CACHE, "toy", f"{task}-{_key(task, warm)}")
+    key = _key(task, warm)
+    name = shipped_name(key)
+    if name is not None and not force:
+        return check_shipped(name)
+    folder = os.path.join(CACHE, "toy", f"{task}-{key}")
     if is_complete(folder) and not force:
         return folder
     os.makedirs(os.path.dirname(folder), exist_ok=True)
     with locked(folder, exclusive=True):       # one builder; readers (policies.load) wait
         if force or not is_complete(folder):   # another process may have built it meanwhile
-            print(f"toy: building the warm-started {task} model in {folder} (first use)", file=sys.stderr)
+            print(f"toy: building the warm-started {task} model in {folder} (no shipped model has key {key})",
+                  file=sys.stderr)
             build(task, warm, folder, quiet)
     return folder
+
+
+# ------------------------------------------------------------------ the shipped models
+
+def manifest() -> dict:
+    """toy_models/MANIFEST.json: {name: {task, warm, key, sha256 of each file, built}}; {} if absent."""
+    path = os.path.join(SHIPPED, "MANIFEST.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def shipped_name(key: str) -> str | None:
+    """The shipped model whose settings' key is `key`, or None."""
+    return next((name for name, entry in manifest().items() if entry["key"] == key), None)
+
+
+def file_digests(folder: str) -> dict:
+    """{file name: sha256} of every file in a model folder."""
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def check_shipped(name: str) -> str:
+    """The folder of shipped model `name`, after checking every file against the manifest; a
+    ValueError in one line for a missing, damaged or hand-edited file."""
+    folder, entry = os.path.join(SHIPPED, name), manifest()[name]
+    have = file_digests(folder) if os.path.isdir(folder) else {}
+    shown = f"toy_models/{name}"
+    for file, want in entry["files"].items():
+        if have.get(file) != want:
+            what = "is missing" if file not in have else f"is not the shipped file (sha256 {have[file][:12]}, the manifest's {want[:12]})"
+            raise ValueError(f"toy model {shown}/{file} {what}: restore it with `git checkout -- {shown}` or rebuild "
+                             f"it with `{ship_command(entry)}`")
+    return folder
+
+
+def ship_command(entry: dict) -> str:
+    """The command that rebuilds a shipped model into toy_models/."""
+    w = entry["warm"]
+    return " ".join(["python toy.py --task", entry["task"], *(["--seed", str(w["seed"])] if w.get("seed") else []),
+                     *(["--check", str(w["check"])] if w.get("check") else []),
+                     *(["--steps", str(w["steps"])] if w["steps"] != WARM["steps"] else []), "--ship"])
+
+
+def ship(task: str, warm: dict, quiet: bool = False) -> str:
+    """Warm-start a model from scratch and write it into toy_models/NAME (NAME: the task, -seedS
+    and -checkL where not 0), its files' sha256 and settings into the manifest; the folder."""
+    warm = {**WARM, **warm}
+    name = task + "".join(f"-{k}{warm[k]}" for k in ("seed", "check") if warm.get(k))
+    tmp = os.path.join(SHIPPED, f".{name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build(task, warm, tmp, quiet)
+    os.remove(os.path.join(tmp, COMPLETE))     # a shipped folder is whole by its manifest
+    folder = os.path.join(SHIPPED, name)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    import transformers
+    with locked(os.path.join(SHIPPED, "MANIFEST"), exclusive=True):   # two ships at once keep both entries
+        _write_entry(name, task, warm, folder, transformers.__version__)
+    return folder
+
+
+def _write_entry(name, task, warm, folder, transformers_version):
+    entries = manifest()
+    entries[name] = {"task": task, "warm": warm, "key": _key(task, warm), "files": file_digests(folder),
+                     "built": f"{_cpu()}, torch {torch.__version__}, transformers {transformers_version}, "
+                              f"{time.strftime('%Y-%m-%d')}"}
+    entries[name]["command"] = ship_command(entries[name])
+    with open(os.path.join(SHIPPED, "MANIFEST.json"), "w") as f:
+        json.dump(dict(sorted(entries.items())), f, indent=1)
+        f.write("\n")
+
+
+def _cpu() -> str:
+    """The CPU's model name (a rebuild elsewhere may differ in the last bits, see README)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+        return platform.processor() or platform.machine()
+
+
+def reading(folder: str):
+    """What a reader of `folder` holds while it loads: the shared lock of a cached model (a
+    rebuild cannot replace it meanwhile); nothing for a shipped one, which no build replaces."""
+    if os.path.dirname(os.path.abspath(folder)) == os.path.abspath(SHIPPED):
+        return contextlib.nullcontext()
+    return locked(folder, exclusive=False)
 
 
 def is_complete(folder: str) -> bool:
@@ -500,13 +630,21 @@ def _warm_start(task: str, warm: dict, quiet: bool):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="math", choices=["math", "code"], help="toy task to warm-start for")
-    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
-    ap.add_argument("--steps", type=int, default=WARM["steps"], help="warm-start steps")
-    ap.add_argument("--check", type=int, default=0, help="tokens of the supervisors' check (train.py --toy-check)")
+    ap.add_argument("--force", action="store_true", help="rebuild into the cache even if shipped or cached")
+    ap.add_argument("--ship", action="store_true", help="rebuild from scratch into toy_models/ and its manifest "
+                    "(what the repository ships; commit the folder and MANIFEST.json)")
+    ap.add_argument("--steps", type=int, default=WARM["steps"], help="warm-start steps (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="warm-start seed, another toy model of the same settings "
+                    "(train.py --toy-seed) (default: %(default)s)")
+    ap.add_argument("--check", type=int, default=0, help="tokens of the supervisors' check (train.py --toy-check) "
+                    "(default: %(default)s)")
     args = ap.parse_args()
     t0 = time.time()
-    folder = model_folder(args.task, {"steps": args.steps, **({"check": args.check} if args.check else {})},
-                          force=args.force)
+    warm = {**settings(args.check, args.seed), **({"steps": args.steps} if args.steps != WARM["steps"] else {})}
+    try:
+        folder = ship(args.task, warm) if args.ship else model_folder(args.task, warm, force=args.force)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     print(f"toy model: {folder} ({time.time() - t0:.0f} s)")
 
 

@@ -8,8 +8,8 @@
 One training step, literally below in `main`:
   1. draw this step's problems (seeded by (seed, step), so a resumed run draws the same ones);
   2. run the workflow G times on each (rollout.py + workflows.py);
-  3. grade each episode's final answer (its task kind's reward, taskkinds.py) and copy the
-     0/1 reward to every call;
+  3. grade each episode's final answer (its task kind's reward, taskkinds.py) and pay the
+     0/1 reward to every call (or, with --credit own, a solution call its own text's grade);
   4. group advantages by (problem, slot) and update each role's weights (grpo.py), with the
      role-level gradient dynamics measured on the way (dynamics.py);
   5. log, evaluate every --eval-every steps, checkpoint every --save-every steps.
@@ -31,6 +31,7 @@ continues from the last checkpoint whose save finished and, with the same seed, 
 same metrics as a run that never stopped.
 """
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -98,7 +99,7 @@ def setup(args, comm=None):
     try:
         train_set, test_set = tasks.train_and_test(args.data, args.eval_data, args.task, args.eval_problems, args.seed)
         model, tok = policies.load(args.scale, device, dtype, toy_task=args.task, quiet=args.quiet,
-                                   toy_check=args.toy_check or 0)
+                                   toy_check=args.toy_check or 0, toy_seed=args.toy_seed or 0)
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         runfolder.fail(str(e))
     if args.problems_per_step > len(train_set):
@@ -232,6 +233,7 @@ def main(argv=None):
     import parallel
     import rollout
     import taskkinds
+    import workflows
 
     comm = parallel.init(args.device)
     if comm:
@@ -250,9 +252,12 @@ def main(argv=None):
             episodes = rollout.run_episodes(run.llm, args.workflow, batch, args.group_size, args.task, ("train", step),
                                             **run.params)
             t1 = time.time()
-            # 3. reward: grade each final answer, copy it to every call of the episode
-            for e, r in zip(episodes, taskkinds.score([e.final_text for e in episodes], [e.problem for e in episodes], args.task)):
+            # 3. reward: grade each final answer, pay it to every call of the episode (--credit own:
+            #    a solution role's call is paid its own text's grade instead)
+            grade = functools.partial(taskkinds.score, task=args.task)
+            for e, r in zip(episodes, grade([e.final_text for e in episodes], [e.problem for e in episodes])):
                 e.reward = float(r)
+            workflows.pay(episodes, args.credit, grade)
             t2 = time.time()
             # 4. advantages grouped by (problem, slot), then one update per role's optimizer
             samples = grpo.samples_from_episodes(episodes, group_by=args.adv_group)

@@ -69,6 +69,7 @@ class Call:
     completion_ids: list = field(default_factory=list)  # sampled ids, stop token included
     logprobs: list = field(default_factory=list)        # sampler logprob of each completion id
     finished: bool = True         # False: cut at the length limit before a stop token
+    reward: float | None = None   # what this call is paid, when not its episode's reward (`pay`)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class Episode:
     rollout: int = 0              # index among the G rollouts of this problem
     calls: list = field(default_factory=list)           # every Call, in the order made
     final_text: str = ""          # the text that is graded
-    reward: float = 0.0           # 0/1 reward of final_text, copied to every call
+    reward: float = 0.0           # 0/1 reward of final_text, paid to every call (but see `pay`)
     fallbacks: dict = field(default_factory=dict)       # role -> parser fallbacks taken
     stream: tuple = ()            # what its draws are for, e.g. ("train", step): see `stage`
 
@@ -161,15 +162,17 @@ def instruction(role: str, task: str) -> str:
     return ROLE_INSTRUCTIONS.get((role, task)) or taskkinds.get(task).instruction(role)
 
 
-def phrases() -> tuple[str, ...]:
+def phrases(kinds: tuple | None = None, registered: bool = True) -> tuple[str, ...]:
     """Every fixed string any prompt contains, each once: USER_PHRASES, then the task
     kinds' instructions role by role (each role's for every kind in turn), their revision
-    turns' and defaults, then the workflows' own. The toy tokenizer makes each one token, so
-    none may contain another or a newline (tests check both), and a new one is a new toy model."""
-    kinds = list(taskkinds.TASK_KINDS.values())
+    turns' and defaults, then (`registered`) the workflows' own. `kinds`: only these task
+    kinds (default: every registered one). None may contain another or a newline (tests check
+    both); the toy tokenizer makes the built-in ones one token each (toy.phrases)."""
+    kinds = [taskkinds.TASK_KINDS[k] for k in kinds] if kinds is not None else list(taskkinds.TASK_KINDS.values())
     roles = dict.fromkeys(role for k in kinds for role in k.instructions)
     told = [k.instructions[role] for role in roles for k in kinds if role in k.instructions]
-    own = [*(k.revision() for k in kinds), *(k.default for k in kinds), *ROLE_INSTRUCTIONS.values()]
+    own = [*(k.revision() for k in kinds), *(k.default for k in kinds),
+           *(ROLE_INSTRUCTIONS.values() if registered else ())]
     return tuple(dict.fromkeys((*USER_PHRASES, *told, *own)))
 
 
@@ -412,6 +415,27 @@ def orch_workers(episodes: list[Episode], llm: LLM, task: str, max_strategies: i
     for ep, call in zip(episodes, syn):
         ep.calls.append(call)
         ep.final_text = call.text
+
+
+# ---------------------------------------------------------------------------------------
+# Credit: what each call is paid, once every episode's final text is graded.
+
+CREDITS = ("final", "own")   # train.py --credit
+
+
+def pay(episodes: list[Episode], credit: str, grade: Callable[[list, list], list]) -> None:
+    """Under `final` (the paper) every call is paid its episode's reward and nothing changes.
+    Under `own`, every call of a solution role (ROLE_KINDS: a voter, a worker, each Eval-Opt
+    attempt, the synthesizer) is paid the grade of its own text, `grade(texts, problems)`, in
+    Call.reward; supervisory and planning roles keep the episode's reward. So a voter that was
+    right is paid 1 even when the aggregator picked a wrong answer, and the reverse."""
+    if credit not in CREDITS:
+        raise ValueError(f"credit must be one of {CREDITS}, got {credit!r}")
+    if credit == "final":
+        return
+    own = [(ep, c) for ep in episodes for c in ep.calls if ROLE_KINDS.get(c.role) == "solution"]
+    for (_, c), r in zip(own, grade([c.text for _, c in own], [ep.problem for ep, _ in own])):
+        c.reward = float(r)
 
 
 def register(name: str, fn: Callable, roles: tuple, slots, kinds: dict | None = None,

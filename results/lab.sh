@@ -1,9 +1,11 @@
 #!/bin/bash
 # The toy lab's studies (docs/RESULTS.md), one cell at a time on one core, run from a git worktree
-# pinned at the studies' commit (40c8d1d):
-#   git worktree add --detach ../study 40c8d1d && bash results/lab.sh ../study
-# With no PART the whole study runs in order. A PART is a study letter and a seed (A0, B2, C4,
-# L1 for A's lr 1e-3 runs): two drivers given disjoint parts can share a 2-core machine, e.g.
+# pinned at the study's commit (A, B, C and L: 40c8d1d; D and E, credit: COMMIT_D):
+#   git worktree add --detach ../study 40c8d1d && bash results/lab.sh ../study A0
+# With no PART every part runs in order. A PART is a study letter and a seed (A0, B2, C4, L1 for
+# A's lr 1e-3 runs); for credit, D or E, then the toy model's warm-start seed, then the seed (D10:
+# the N=1 and N=2 arms on toy model 1 with seed 0; E10: its N=8 arms). Two drivers given disjoint
+# parts can share a 2-core machine, e.g.
 #   bash results/lab.sh ../study A0 A1 B0 B1 B2 L0 L1 L2 &  bash results/lab.sh ../study A2 C0 C1 C2 C3 C4 &
 # Rerunning resumes: sweep.py skips done cells and resumes interrupted ones. On a new machine,
 # first put the kept runs back: python studies.py restore STUDY ../study (for each study).
@@ -34,15 +36,25 @@ damping() {
 slow_lr() {
   $S --workflows voting --sharings isolated --lrs 1e-3 --seeds $1 --axis n-voters=8,1 --out runs/amplification-lr1e-3 -- --steps 100 --eval-every 10 --eval-problems 256
 }
+credit() {   # model (toy seed) $1, seed $2; the cheap arms (N=1, N=2) or the N=8 ones ($3 = 8)
+  if [ "${3:-}" = 8 ]; then
+    $A --seeds $2 --axis n-voters=8 --axis credit=final,own --axis toy-seed=$1 --out runs/credit -- $C
+  else
+    $A --seeds $2 --axis n-voters=2 --axis credit=final,own --axis toy-seed=$1 --out runs/credit -- $C
+    $A --seeds $2 --axis n-voters=1 --axis toy-seed=$1 --out runs/credit -- $C
+  fi
+}
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(A0 A1 A2 B0 B1 B2 C0 C1 C2 C3 C4 L0 L1 L2)
+[ ${#parts[@]} -eq 0 ] && parts=(A0 A1 A2 B0 B1 B2 C0 C1 C2 C3 C4 L0 L1 L2 D00 D01 D02 D10 D11 D20 D21 E00 E01 E02 E10 E11 E20 E21)
 for p in "${parts[@]}"; do
   case $p in
     A?) amplification ${p:1} ;;
     B?) capture ${p:1} ;;
     C?) damping ${p:1} ;;
     L?) slow_lr ${p:1} ;;
-    *) echo "lab.sh: unknown part $p (A0-A2, B0-B2, C0-C4, L0-L2)" >&2; exit 2 ;;
+    D??) credit ${p:1:1} ${p:2:1} ;;
+    E??) credit ${p:1:1} ${p:2:1} 8 ;;
+    *) echo "lab.sh: unknown part $p (A0-A2, B0-B2, C0-C4, L0-L2, D00-D21, E00-E21)" >&2; exit 2 ;;
   esac
 done
 echo "study: parts ${parts[*]} done"

@@ -67,7 +67,7 @@ def test_workflows_run_on_a_registered_task_kind_with_its_instructions(parity):
     workflows.run_workflow("eval_opt", episodes, llm, "parity")          # the kind's rounds: 1
     assert [c.role for c in episodes[0].calls] == ["generator", "evaluator", "generator"]
     assert episodes[0].calls[-1].messages[0]["content"] == PICK        # the revision turn: the default
-    assert {SAY, PICK} <= set(workflows.phrases())                     # new fixed strings: the toy's phrases
+    assert {SAY, PICK} <= set(workflows.phrases())                     # new fixed strings (none of the toy world's)
 
 
 def test_records_name_their_task_kind_and_its_check_validates_them(parity, tmp_path):

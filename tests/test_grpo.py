@@ -523,3 +523,61 @@ def test_layer_checkpointing_gives_the_same_lora_gradients():
         grads.append(cap.seen[0][1])
     assert float(grads[0].norm()) > 0
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-8)
+
+
+# ----------------------------------------------------------------------------- credit (--credit)
+
+def _trainable(ep):
+    """A scripted episode's calls as if sampled: one completion token each (a call without one
+    is not a training row)."""
+    for c in ep.calls:
+        c.prompt_ids, c.completion_ids, c.logprobs = [3], [1], [0.0]
+    return ep
+
+def _voting_episode(voter_texts, pick):
+    """One scored Voting episode of problem m0 (answer 5) whose aggregator picks `pick` (1-based)."""
+    import taskkinds
+    import workflows
+    from test_workflows import MATH, FakeLLM
+    ep = Episode(problem=MATH[0])
+    llm = FakeLLM(generator=list(voter_texts), aggregator=f"\\boxed{{{pick}}}")
+    workflows.run_workflow("voting", [ep], llm, "math", n_voters=len(voter_texts))
+    grade = lambda texts, problems: taskkinds.score(texts, problems, "math")   # noqa: E731
+    ep.reward = grade([ep.final_text], [ep.problem])[0]
+    return _trainable(ep), grade
+
+
+@pytest.mark.parametrize("pick, paid", [(2, [1.0, 0.0, 0.0]),    # right voter, wrong pick: the voter is paid 1
+                                        (1, [1.0, 0.0, 1.0])])   # right pick: the wrong voter is paid 0
+def test_credit_own_pays_each_voter_its_own_grade_and_the_aggregator_the_final(pick, paid):
+    import workflows
+    ep, grade = _voting_episode(["\\boxed{5}", "\\boxed{4}"], pick)
+    assert ep.reward == float(pick == 1)
+    workflows.pay([ep], "own", grade)
+    assert [s.reward for s in grpo.samples_from_episodes([ep])] == paid   # generator0, generator1, aggregator
+    assert [s.slot for s in grpo.samples_from_episodes([ep])] == ["generator0", "generator1", "aggregator"]
+
+
+@pytest.mark.parametrize("pick", [1, 2])
+def test_credit_final_pays_every_call_of_an_episode_the_same(pick):
+    import workflows
+    ep, grade = _voting_episode(["\\boxed{5}", "\\boxed{4}"], pick)
+    workflows.pay([ep], "final", grade)
+    assert [s.reward for s in grpo.samples_from_episodes([ep])] == [ep.reward] * 3
+    with pytest.raises(ValueError, match="credit must be one of"):
+        workflows.pay([ep], "mine", grade)
+
+
+def test_credit_own_pays_each_eval_opt_attempt_its_own_grade():
+    import taskkinds
+    import workflows
+    from test_workflows import MATH, FakeLLM
+    ep = Episode(problem=MATH[0])
+    llm = FakeLLM(generator=["\\boxed{4}", "\\boxed{5}", "\\boxed{6}"], evaluator="\\boxed{Incorrect}")
+    workflows.run_workflow("eval_opt", [ep], llm, "math", max_rounds=2)
+    grade = lambda texts, problems: taskkinds.score(texts, problems, "math")   # noqa: E731
+    ep.reward = grade([ep.final_text], [ep.problem])[0]   # the last attempt, 6: wrong
+    _trainable(ep)
+    workflows.pay([ep], "own", grade)
+    got = [(s.role, s.reward) for s in grpo.samples_from_episodes([ep])]
+    assert got == [("generator", 0.0), ("evaluator", 0.0), ("generator", 1.0), ("evaluator", 0.0), ("generator", 0.0)]

@@ -38,13 +38,16 @@ def tiny(tmp_path_factory):
     return save_tiny_toy_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
+TINY_WARM = {"steps": 1}   # warm-start settings no shipped model has, so they are looked up in the cache
+
+
 @pytest.fixture(scope="module")
 def toy_cache(tiny, tmp_path_factory):
-    """A MARL_CACHE whose toy models (math and code) are the tiny model, at the folders
-    toy.model_folder looks in, so that `--scale toy` loads it at once."""
+    """A MARL_CACHE whose toy models (math and code) for MARL_TOY_WARM=TINY_WARM are the tiny
+    model, at the folders toy.model_folder looks in, so that `--scale toy` loads it at once."""
     cache = str(tmp_path_factory.mktemp("cache"))
     for task in ("math", "code"):
-        folder = os.path.join(cache, "toy", f"{task}-{toy._key(task, toy.WARM)}")
+        folder = os.path.join(cache, "toy", f"{task}-{toy._key(task, {**toy.WARM, **TINY_WARM})}")
         shutil.copytree(tiny, folder)
         open(os.path.join(folder, toy.COMPLETE), "w").close()   # as a finished build leaves it
     return cache
@@ -145,6 +148,7 @@ def test_the_run_table_shows_whole_cell_names(tmp_path, capsys):
 
 def test_a_failing_cell_is_reported_the_others_finish_and_a_rerun_skips_them(toy_cache, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MARL_CACHE", toy_cache)
+    monkeypatch.setenv("MARL_TOY_WARM", json.dumps(TINY_WARM))
     # --data toy_math suits the math cell; train.py refuses it for the code cell once it loads (exit 2)
     argv = ["--workflows", "voting", "--tasks", "math", "code", "--sharings", "shared", "--jobs", "2",
             "--out", str(tmp_path / "m"), "--", *TINY, "--data", "toy_math"]

@@ -605,3 +605,93 @@ def test_the_warm_start_trains_on_one_thread(monkeypatch):
         assert seen == [1] and torch.get_num_threads() == 2   # and the caller's count is back after
     finally:
         torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------
+# The shipped models (toy_models/): one toy world on every machine
+
+def test_every_shipped_model_is_the_one_the_code_would_build():
+    """The code's key for each shipped setting is the manifest's: a changed transcript, phrase or
+    setting without a rebuild fails here, naming the command that rebuilds the model."""
+    entries = toy.manifest()
+    assert {"math", "code"} <= set(entries), "toy_models/ ships the default math and code models"
+    for name, entry in entries.items():
+        key = toy._key(entry["task"], entry["warm"])
+        assert key == entry["key"], (f"toy_models/{name} is stale: the code's key is {key}, the shipped model's "
+                                     f"{entry['key']}; rebuild it with `{toy.ship_command(entry)}` and commit it")
+        assert toy.model_folder(entry["task"], entry["warm"]) == os.path.join(toy.SHIPPED, name)
+        assert toy.ship_command(entry) == entry["command"]
+
+
+def test_the_default_settings_load_the_shipped_models_without_a_warm_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(toy, "CACHE", str(tmp_path))     # an empty cache
+    monkeypatch.setattr(toy, "warm_start", lambda *a, **k: pytest.fail("a warm start ran"))
+    monkeypatch.delenv("MARL_TOY_WARM", raising=False)
+    for task in TASKS:
+        folder = toy.model_folder(task)
+        assert folder == os.path.join(toy.SHIPPED, task)
+        sha = runfolder.file_sha256(os.path.join(folder, "model.safetensors"))
+        assert sha == toy.manifest()[task]["files"]["model.safetensors"]
+    assert toy.model_folder("math", toy.settings(seed=1)) == os.path.join(toy.SHIPPED, "math-seed1")
+    assert not os.path.exists(tmp_path / "toy")
+
+
+@pytest.fixture
+def shipped_copy(tmp_path, monkeypatch):
+    """toy_models/ copied into a temporary folder that toy.SHIPPED points to."""
+    shutil.copytree(toy.SHIPPED, tmp_path / "toy_models", ignore=shutil.ignore_patterns("*.lock", ".*"))
+    monkeypatch.setattr(toy, "SHIPPED", str(tmp_path / "toy_models"))
+    return tmp_path / "toy_models"
+
+
+@pytest.mark.parametrize("damage", ["edit", "delete"])
+def test_a_damaged_shipped_file_is_refused_in_one_line(shipped_copy, damage):
+    path = shipped_copy / "math" / ("model.safetensors" if damage == "edit" else "tokenizer.json")
+    if damage == "edit":
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+    else:
+        path.unlink()
+    with pytest.raises(ValueError) as e:
+        policies.load("toy")
+    msg = str(e.value)
+    assert "\n" not in msg and ("is not the shipped file" if damage == "edit" else "is missing") in msg
+    assert "git checkout -- toy_models/math" in msg and "python toy.py --task math --ship" in msg
+
+
+def test_ship_writes_a_model_and_its_manifest_entry_that_loading_then_takes(tmp_path, monkeypatch):
+    """The build behind the shipped models, on a reduced warm start: shipped twice, the same
+    files; then loaded with no build."""
+    monkeypatch.setattr(toy, "SHIPPED", str(tmp_path / "ship"))
+    monkeypatch.setattr(toy, "CACHE", str(tmp_path / "cache"))
+    os.makedirs(toy.SHIPPED)
+    folder = toy.ship("math", {**TINY, "seed": 3}, quiet=True)
+    first = toy.file_digests(folder)
+    assert os.path.basename(folder) == "math-seed3" and "model.safetensors" in first and toy.COMPLETE not in first
+    entry = toy.manifest()["math-seed3"]
+    assert entry["files"] == first and entry["key"] == toy._key("math", {**toy.WARM, **TINY, "seed": 3})
+    assert entry["command"] == "python toy.py --task math --seed 3 --steps 2 --ship"
+    assert toy.file_digests(toy.ship("math", {**TINY, "seed": 3}, quiet=True)) == first   # deterministic
+    monkeypatch.setattr(toy, "warm_start", lambda *a, **k: pytest.fail("a warm start ran"))
+    assert toy.model_folder("math", {**TINY, "seed": 3}) == folder
+    model, tok = policies.load(folder)
+    assert model.config.vocab_size == len(tok)
+
+
+def test_a_forks_registrations_leave_the_toy_world_as_it_was(registries):
+    """A new workflow with an instruction of its own and a new task kind: the toy key, vocabulary
+    and model folder are what they were, and the new text is spelled in characters."""
+    before = ({t: toy._key(t, toy.WARM) for t in TASKS}, toy.build_tokenizer().get_vocab(),
+              {t: toy.model_folder(t) for t in TASKS})
+    judge = "Read both answers and name the better one as \\boxed{1} or \\boxed{2}."
+    wf.register("pair_judge", lambda episodes, llm, task: None, roles=("generator", "judge"),
+                slots=("generator0", "generator1", "judge"), kinds={"judge": "supervisory"},
+                instructions={("judge", "math"): judge})
+    taskkinds.register_task("parity_toy", lambda text, problem: 0.0, instructions={"generator": "Say odd or even."},
+                            default="Answer in one word.", check=lambda record: None)
+    assert judge in wf.phrases() and judge not in toy.phrases()
+    tok = toy.build_tokenizer()
+    assert (({t: toy._key(t, toy.WARM) for t in TASKS}, tok.get_vocab(), {t: toy.model_folder(t) for t in TASKS})
+            == before)
+    assert len(_ids(tok, judge)) == len(judge) - judge.count("\\boxed{") * (len("\\boxed{") - 1)
