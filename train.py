@@ -76,12 +76,49 @@ class Run:
 # ----------------------------------------------------------------------------- set-up
 
 def llm_from_flags(policy, args, kv_budget):
+    """The workflows' llm: --sampler fast (engine.generate in the KV budget) or simple."""
+    import engine
     import rollout
-    return rollout.make_llm(policy, temperature=args.temperature, top_p=args.top_p,
+    sampler = rollout.generate_simple if args.sampler == "simple" else functools.partial(
+        engine.generate, kv_budget=kv_budget, max_rows=args.max_rows, cuda_graphs=args.cuda_graphs == "on")
+    return rollout.make_llm(policy, sampler=sampler, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                            seed=args.seed, max_rows=args.max_rows, kv_budget=kv_budget,
-                            max_embed_tokens=args.max_embed_tokens, cuda_graphs=args.cuda_graphs == "on",
-                            sampler=args.sampler)
+                            seed=args.seed, max_embed_tokens=args.max_embed_tokens)
+
+
+def memory_plan(policy, kv_budget: int, args) -> str:
+    """One line of memory: weights, trainable weights with AdamW states, the KV budget and the
+    rows it holds at the length limits, and the training micro-batch; a user sees at once
+    whether the run fits. On CUDA it also gives the numbers behind the default budget: the free
+    memory after loading, engine.KV_FRACTION of it for the cache, and what the rest must hold
+    while the cache lives (the AdamW states, made at the first update, and the decode's logits).
+    The cache lives only inside a generate call, so the update has all the free memory. The
+    prompt length is the limit, else the longest prompt expected: an aggregator's three clipped
+    solutions plus ~512 tokens of instruction and problem."""
+    import torch
+
+    import engine
+    a, p = args, policy
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    weights = sum(t.numel() * t.element_size() for t in p.model.parameters())
+    trainable = sum(t.numel() for n in p.names for t in p.parameters_of(n))
+    cfg, size = p.model.config, next(p.model.parameters()).element_size()
+    per_tok = engine.kv_bytes_per_token(cfg, next(p.model.parameters()).dtype)
+    prompt = a.max_prompt_tokens or 3 * (a.max_embed_tokens or a.max_new_tokens) + 512
+    logits = a.token_budget * cfg.vocab_size * 2 * size        # the logits and their gradient
+    acts = a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size
+    rows = engine.rows_that_fit(kv_budget, per_tok, prompt + a.max_new_tokens)
+    device = next(p.model.parameters()).device
+    why = ""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        share = "--kv-budget-gb" if a.kv_budget_gb else f"{engine.KV_FRACTION:g} of it"
+        why = (f" | free after loading {gib(free)}: KV {share}, beside it AdamW {gib(16 * trainable)} + "
+               f"decode logits {gib(rows * cfg.vocab_size * 4)} = {gib(kv_budget + 16 * trainable + rows * cfg.vocab_size * 4)}")
+    return (f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
+            f"{gib(16 * trainable)} | {engine.kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens)} "
+            f"({per_tok / 1024:.0f} KiB a token){why} | micro-batch {a.token_budget} tokens: logits + grad {gib(logits)}, "
+            f"layer inputs {gib(acts)}{' (checkpointed)' if p.checkpointing else ' + every activation'}")
 
 
 def setup(args, comm=None):
@@ -89,9 +126,9 @@ def setup(args, comm=None):
     import torch
 
     import damping
+    import engine
     import grpo
     import policies
-    import rollout
     import tasks
     import workflows
     device = comm.device if comm else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -112,7 +149,7 @@ def setup(args, comm=None):
     optimizers, schedulers = grpo.make_optimizers(policy, args.lr, args.warmup_steps, args.steps,
                                                   weight_decay=args.weight_decay, lr_role=dict(args.lr_role or {}))
     # measured after the model is loaded: on CUDA the default is a share of what is left free
-    kv_budget = int(args.kv_budget_gb * 2**30) if args.kv_budget_gb else rollout.default_kv_budget(device)
+    kv_budget = int(args.kv_budget_gb * 2**30) if args.kv_budget_gb else engine.default_kv_budget(device)
     damp = None
     if args.coherence_damp:
         damp = (damping.PlaceboDamp(args.coherence_damp, args.coherence_window, args.seed, comm=comm)
@@ -124,11 +161,10 @@ def setup(args, comm=None):
 
 def start_run(args, comm):
     """Set up, print the memory plan, open the run folder, and evaluate step 0 if fresh."""
-    import rollout
     try:
         run = setup(args, comm)
         if run.main:
-            print(rollout.memory_plan(run.policy, run.kv_budget, args))
+            print(memory_plan(run.policy, run.kv_budget, args))
         runfolder.open_run(run)
     except KeyboardInterrupt:
         print("interrupted while setting up: nothing to save", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The decode step of rollout.generate: its time, its kernel-launching ops and its host syncs,
+"""The decode step of engine.generate: its time, its kernel-launching ops and its host syncs,
 in this checkout or another one, so a change is measured against the code before it in one run.
 
     python bench/decode.py --section mixed --compare /path/to/older/checkout    # CPU, ~10 CPU-minutes (prefills)
@@ -26,8 +26,9 @@ Sections (random weights: neither speed nor counts depend on them):
 - compile: torch.compile(fullgraph=True) of the decode step's forward (a graph break raises),
   on a tiny model, one generate call with one step shape; the tokens must equal the eager run.
 
---repo PATH runs a section on another checkout's rollout.py and policies.py (this file stays
-the one that measures); --compare PATH runs the section here and there, each in its own
+--repo PATH runs a section on another checkout's engine.py (rollout.py in checkouts from
+before the engine had its own file) and policies.py (this file stays the one that measures);
+--compare PATH runs the section here and there, each in its own
 process, and prints both and their ratio. Set OMP_NUM_THREADS=1 on a shared CPU: the times
 are process CPU time on a CPU device, wall time (synchronised) on CUDA.
 """
@@ -44,12 +45,15 @@ SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 
 
 def import_checkout(repo: str):
+    """(the checkout's engine module, its policies module): engine.py, or rollout.py in a checkout
+    from before the engine had a file of its own."""
+    import importlib
     sys.path.insert(0, os.path.abspath(repo))
     sys.path.insert(1, os.path.join(HERE, "bench"))
     import policies
-    import rollout
-    assert os.path.dirname(os.path.abspath(rollout.__file__)) == os.path.abspath(repo), rollout.__file__
-    return rollout, policies
+    eng = importlib.import_module("engine" if os.path.isfile(os.path.join(repo, "engine.py")) else "rollout")
+    assert os.path.dirname(os.path.abspath(eng.__file__)) == os.path.abspath(repo), eng.__file__
+    return eng, policies
 
 
 def build(config: dict, device: str, dtype):
@@ -63,9 +67,9 @@ def build(config: dict, device: str, dtype):
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def decode_forward(rollout):
-    """(owner, name) of the decode step's forward in this checkout's rollout.py."""
-    return (rollout._Decoder, "forward") if hasattr(rollout, "_Decoder") else (rollout, "_decode")
+def decode_forward(eng):
+    """(owner, name) of the decode step's forward in this checkout's engine."""
+    return (eng._Decoder, "forward") if hasattr(eng, "_Decoder") else (eng, "_decode")
 
 
 def wrap(owner, name, before, after):
@@ -83,18 +87,18 @@ def wrap(owner, name, before, after):
 
 # ----------------------------------------------------------------------------- sections
 
-def mixed(args, rollout, policies):
+def mixed(args, eng, policies):
     import torch
-    from generate import CONFIGS
+    from shapes import CONFIGS
     torch.set_grad_enabled(False)
     model = build({**CONFIGS["0.6b"], "num_hidden_layers": 2, "vocab_size": 512}, "cpu", torch.float32)
     g = torch.Generator().manual_seed(0)
     lens = torch.linspace(100, 3000, 32).round().long().tolist()
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
     times, t0 = [], [0.0]
-    undo = wrap(*decode_forward(rollout), lambda: t0.__setitem__(0, time.process_time()),
+    undo = wrap(*decode_forward(eng), lambda: t0.__setitem__(0, time.process_time()),
                 lambda: times.append(time.process_time() - t0[0]))
-    rollout.generate(model, prompts, args.steps + 1, [511], 0, temperature=0)
+    eng.generate(model, prompts, args.steps + 1, [511], 0, temperature=0)
     undo()
     return {"forward_ms": 1e3 * statistics.median(times), "steps": len(times)}
 
@@ -134,14 +138,14 @@ def count_ops_and_syncs(fn):
     return counts["ops"], counts["forward"], counts["syncs"]
 
 
-def as_on_cuda(rollout):
+def as_on_cuda(eng):
     """Cut the decode attention into row groups as on CUDA (counts then match a GPU's)."""
     for name in ("GROUP_ROWS", "WIDTH_BUCKET"):
-        if isinstance(getattr(rollout, name, None), dict):
-            getattr(rollout, name)["cpu"] = getattr(rollout, name)["cuda"]
+        if isinstance(getattr(eng, name, None), dict):
+            getattr(eng, name)["cpu"] = getattr(eng, name)["cuda"]
 
 
-def lora_model(rollout, policies, config: dict, device: str, dtype):
+def lora_model(eng, policies, config: dict, device: str, dtype):
     """A random model of `config` with a LoRA r64 adapter (random B) active through the hooks."""
     import torch
     model = build(config, device, dtype)
@@ -153,11 +157,11 @@ def lora_model(rollout, policies, config: dict, device: str, dtype):
     return model
 
 
-def per_step(rollout, model, prompts, short: int, long: int, measure):
+def per_step(eng, model, prompts, short: int, long: int, measure):
     """measure(fn) of a generate call of `long` tokens minus one of `short`, per decode step."""
     def run(n):
         stats = {}
-        return lambda: rollout.generate(model, prompts, n, [-1], 0, temperature=0.7, seed=1, stats=stats), stats
+        return lambda: eng.generate(model, prompts, n, [-1], 0, temperature=0.7, seed=1, stats=stats), stats
     (fs, ss), (fl, sl) = run(short), run(long)
     fs()                                     # warm-up: lazy set-ups (the adapters' bf16 copies) happen here
     ss.clear()
@@ -166,25 +170,25 @@ def per_step(rollout, model, prompts, short: int, long: int, measure):
     return [(y - x) / steps for x, y in zip(a, b)]
 
 
-def ops(args, rollout, policies):
+def ops(args, eng, policies):
     import torch
-    from generate import CONFIGS
+    from shapes import CONFIGS
     torch.set_grad_enabled(False)
-    model = lora_model(rollout, policies, CONFIGS[args.config], "cpu", torch.bfloat16)
-    as_on_cuda(rollout)
+    model = lora_model(eng, policies, CONFIGS[args.config], "cpu", torch.bfloat16)
+    as_on_cuda(eng)
     prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(4)]
-    undo = wrap(*decode_forward(rollout), lambda: INSIDE.__setitem__(0, True), lambda: INSIDE.__setitem__(0, False))
-    n_ops, n_forward, n_syncs = per_step(rollout, model, prompts, 4, 12, count_ops_and_syncs)
+    undo = wrap(*decode_forward(eng), lambda: INSIDE.__setitem__(0, True), lambda: INSIDE.__setitem__(0, False))
+    n_ops, n_forward, n_syncs = per_step(eng, model, prompts, 4, 12, count_ops_and_syncs)
     undo()
     return {"ops_per_step": n_ops, "forward_ops_per_step": n_forward, "syncs_per_step": n_syncs}
 
 
-def paper(args, rollout, policies):
+def paper(args, eng, policies):
     import torch
-    from generate import CONFIGS
+    from shapes import CONFIGS
     torch.set_grad_enabled(False)
     cuda = args.device.startswith("cuda")
-    model = lora_model(rollout, policies, CONFIGS[args.config], args.device, torch.bfloat16 if cuda else torch.float32)
+    model = lora_model(eng, policies, CONFIGS[args.config], args.device, torch.bfloat16 if cuda else torch.float32)
 
     def clock(fn):
         if cuda:
@@ -197,32 +201,32 @@ def paper(args, rollout, policies):
     out = {}
     for W in args.widths:
         prompt = torch.randint(3, 500, (max(8, W - 64),), generator=torch.Generator().manual_seed(W)).tolist()
-        ms = per_step(rollout, model, [prompt] * args.rows, 8, 8 + args.steps, clock)[0] * 1e3
+        ms = per_step(eng, model, [prompt] * args.rows, 8, 8 + args.steps, clock)[0] * 1e3
         out[f"W={W}"] = {"ms_per_step": ms}
         print(f"  W={W}: {ms:.2f} ms/step ({args.rows} rows)", flush=True)
     small = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(4)]
-    as_on_cuda(rollout)   # counting under a dispatch mode is slow: on a small copy of the workload
-    out["ops_per_step"], _, out["syncs_per_step"] = per_step(rollout, model, small, 4, 8, count_ops_and_syncs)
+    as_on_cuda(eng)   # counting under a dispatch mode is slow: on a small copy of the workload
+    out["ops_per_step"], _, out["syncs_per_step"] = per_step(eng, model, small, 4, 8, count_ops_and_syncs)
     return out
 
 
-def compile_check(args, rollout, policies):
+def compile_check(args, eng, policies):
     import torch
     sys.path.insert(0, os.path.join(HERE, "tests"))
     from conftest import tiny_qwen3
     m = tiny_qwen3(seed=0)
     prompts, n = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14], [15, 16, 17, 18, 19]], 6
-    eager = rollout.generate(m, prompts, n, [63], 0, temperature=0)
-    real, compiled = rollout._Decoder.forward, {}
+    eager = eng.generate(m, prompts, n, [63], 0, temperature=0)
+    real, compiled = eng._Decoder.forward, {}
 
     def forward(self, rows, groups):
         if id(self) not in compiled:
             compiled[id(self)] = torch.compile(lambda r, g: real(self, r, g), fullgraph=True, dynamic=False)
         return compiled[id(self)](rows, groups)
-    rollout._Decoder.forward = forward
+    eng._Decoder.forward = forward
     t = time.time()
-    out = rollout.generate(m, prompts, n, [63], 0, temperature=0)
-    rollout._Decoder.forward = real
+    out = eng.generate(m, prompts, n, [63], 0, temperature=0)
+    eng._Decoder.forward = real
     same = bool(torch.equal(out.tokens, eager.tokens))
     print(f"  compiled with fullgraph=True (no graph break) in {time.time() - t:.0f} s; tokens equal eager: {same}")
     return {"fullgraph": True, "same_tokens": same}
@@ -234,7 +238,7 @@ SECTIONS = {"mixed": mixed, "ops": ops, "paper": paper, "compile": compile_check
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--section", required=True, choices=sorted(SECTIONS), help="what to measure")
-    ap.add_argument("--repo", default=HERE, help="checkout whose rollout.py and policies.py run (default: this one)")
+    ap.add_argument("--repo", default=HERE, help="checkout whose engine and policies.py run (default: this one)")
     ap.add_argument("--compare", default=None, help="another checkout: run the section there too and print the ratio")
     ap.add_argument("--device", default="cpu", help="device of the paper section")
     ap.add_argument("--config", default="0.6b", help="shape of the ops and paper sections (bench/generate.py's CONFIGS)")
@@ -256,8 +260,8 @@ def main():
             if isinstance(v, (int, float)) and res["after"].get(k):
                 print(f"  {k}: {v:.4g} -> {res['after'][k]:.4g} ({v / res['after'][k]:.2f}x)")
         return
-    rollout, policies = import_checkout(args.repo)
-    res = SECTIONS[args.section](args, rollout, policies)
+    eng, policies = import_checkout(args.repo)
+    res = SECTIONS[args.section](args, eng, policies)
     if args.json:
         with open(args.json, "w") as f:
             f.write(json.dumps(res) + "\n")

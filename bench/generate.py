@@ -1,9 +1,11 @@
-"""Tokens per second of rollout.generate against lockstep batches and model.generate, in one run.
+"""Tokens per second of engine.generate against lockstep batches and model.generate, in one run.
 
     python bench/generate.py                                   # both workloads, small random Qwen3, CPU
     python bench/generate.py --workload realistic --prompts 512 --slots 64
+    python bench/generate.py --workload equal --prompt-min 16 --prompt-len 48 --equal-new 64  # 32 rows, 16-48
     python bench/generate.py --device cuda --config 0.6b --prompts 512 --slots 256 --new 512
     python bench/generate.py --check --device cuda                 # greedy parity, tiny model
+    python bench/generate.py --call-cost                           # engine.ATTN_CALL on this device
 
 Every sampler gets the same model, prompts and sampling settings (temperature, top_p=1). The stop
 id is one the prompts never hold and the random model (almost) never samples, so a row runs to
@@ -18,6 +20,11 @@ same figure for every sampler. Workloads:
   generate over all rows in that budget) against lockstep batches (generate_simple) of --slots
   rows in input order (the same memory: each batch runs until its longest row ends), and
   against model.generate in the same batches. Goal on CPU: continuous / lockstep >= 1.5.
+`--call-cost` measures what engine.ATTN_CALL states: the time of one decode attention call
+(SDPA with the query heads folded, as engine.decode_attention calls it) over one row and column,
+against the extra time per attended K/V element of a call over many, at the toy and the 0.6B
+head shapes; their ratio is a call's cost in elements, the constant engine._groups weighs
+padding against.
 Each sampler runs once to warm up (its first --slots rows, 8 tokens each), then --repeats times, interleaved, best time kept (these
 machines are shared and noisy; only ratios within one run mean anything). On a CPU device the
 time is the process's CPU time by default (`--clock cpu`; run with OMP_NUM_THREADS=1), which other
@@ -32,22 +39,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import engine  # noqa: E402
 import rollout  # noqa: E402
 
-CONFIGS = {  # small shapes, and the published Qwen3 ones (random weights: speed does not depend on them)
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=512),
-    "toy": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,  # toy.py's
-                num_key_value_heads=2, head_dim=32, vocab_size=512),  # shape (its vocabulary is 143)
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4, head_dim=32, vocab_size=4096),
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, vocab_size=151936),
-}
+from shapes import CONFIGS  # noqa: E402  (the model shapes every bench script builds)
 
 
 # ----------------------------------------------------------------------------- the workloads
@@ -63,11 +58,14 @@ def build_model(config: str, device: str):
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def make_prompts(n: int, length: int, group: int, vocab: int, seed: int = 0) -> list:
-    """n prompts of up to `length` ids (8 lengths), `group` rows per distinct prompt."""
+def make_prompts(n: int, length: int, group: int, vocab: int, seed: int = 0, shortest: int | None = None) -> list:
+    """n prompts of `shortest` to `length` ids (default: up to 7 shorter, 8 lengths), spread
+    evenly, `group` rows per distinct prompt."""
     g = torch.Generator().manual_seed(seed)
-    distinct = [torch.randint(3, vocab - 2, (length - (i % 8),), generator=g).tolist()
-                for i in range(math.ceil(n / group))]
+    k = math.ceil(n / group)
+    lens = ([length - (i % 8) for i in range(k)] if shortest is None else
+            torch.linspace(length, shortest, k).round().long().tolist())
+    distinct = [torch.randint(3, vocab - 2, (n_i,), generator=g).tolist() for n_i in lens]
     return [distinct[i // group] for i in range(n)]
 
 
@@ -109,12 +107,12 @@ def samplers(model, args, prompts, limits, slots):
     """name -> fn running every prompt to its limit: continuous (one call in a budget of
     `slots` rows), lockstep reference and model.generate in batches of `slots`."""
     stop, temp = model.config.vocab_size - 1, args.temperature
-    bpt = rollout.kv_bytes_per_token(model.config, model.dtype)
+    bpt = engine.kv_bytes_per_token(model.config, model.dtype)
     budget = slots * (max(len(p) for p in prompts) + max(limits)) * bpt
     batches = [range(a, min(a + slots, len(prompts))) for a in range(0, len(prompts), slots)]
 
     def continuous():
-        rollout.generate(model, prompts, limits, [stop], 0, temperature=temp, seed=1,
+        engine.generate(model, prompts, limits, [stop], 0, temperature=temp, seed=1,
                          kv_budget=budget, max_rows=slots)
 
     def lockstep():
@@ -152,7 +150,7 @@ def run(model, args, name, prompts, limits, slots):
 
 
 def check_parity(device: str) -> None:
-    """Greedy rollout.generate with per-row limits, in a budget of 3 rows, against
+    """Greedy engine.generate with per-row limits, in a budget of 3 rows, against
     model.generate on each prompt alone (fp32, a tiny random Qwen3): exits 1 on a mismatch."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
@@ -161,9 +159,9 @@ def check_parity(device: str) -> None:
     model = Qwen3ForCausalLM(cfg).to(device).eval()
     prompts = make_prompts(12, 9, 2, 60)
     limits = [1 + (7 * i) % 13 for i in range(len(prompts))]
-    stop = [int(rollout.generate(model, prompts[:1], 3, [63], 0, temperature=0).tokens[0, 2]), 63]
-    bpt = rollout.kv_bytes_per_token(cfg, model.dtype)
-    out = rollout.generate(model, prompts, limits, stop, 0, temperature=0, kv_budget=3 * (9 + 13) * bpt)
+    stop = [int(engine.generate(model, prompts[:1], 3, [63], 0, temperature=0).tokens[0, 2]), 63]
+    bpt = engine.kv_bytes_per_token(cfg, model.dtype)
+    out = engine.generate(model, prompts, limits, stop, 0, temperature=0, kv_budget=3 * (9 + 13) * bpt)
     bad = 0
     for i, (p, t) in enumerate(zip(prompts, limits)):
         ref = model.generate(input_ids=torch.tensor([p], device=device), attention_mask=torch.ones(1, len(p), device=device,
@@ -174,6 +172,33 @@ def check_parity(device: str) -> None:
           f"({int(out.finished.sum())} stopped)", flush=True)
     if bad:
         sys.exit(1)
+
+
+def call_cost() -> None:
+    """engine.ATTN_CALL on this CPU, one thread, at the toy (2 KV heads x 32) and the 0.6B (8 x
+    128) head shapes: a call's own cost is the time of a decode attention call over one row and
+    one column; an element's, the extra time of a call over R rows x W columns divided by the
+    K/V elements it attends. Their ratio is the call's cost in elements."""
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+
+    def seconds(n, w, hkv, g, d, reps=200):
+        q, k = torch.randn(n, hkv, g, d), torch.randn(n, hkv, w, d)
+        mask = torch.ones(n, 1, 1, w, dtype=torch.bool)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+            best = min(best, (time.perf_counter() - t0) / reps)
+        return best
+    for name, (hkv, g, d) in {"toy": (2, 2, 32), "0.6b": (8, 2, 128)}.items():
+        call = seconds(1, 1, hkv, g, d)
+        for n, w in ((8, 64), (32, 256)):
+            element = (seconds(n, w, hkv, g, d, reps=50) - call) / (n * w * hkv * d)
+            print(f"{name}, {n} rows x {w} columns: a call {call * 1e6:.1f} us, an element {element * 1e9:.3f} ns: a "
+                  f"call costs {call / element:,.0f} elements (engine.ATTN_CALL['cpu'] is {engine.ATTN_CALL['cpu']:,})",
+                  flush=True)
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -188,6 +213,8 @@ def main():
     ap.add_argument("--slots", type=int, default=32, help="rows the KV budget holds (equal: the rows)")
     ap.add_argument("--prompts", type=int, default=256, help="realistic: rows in all")
     ap.add_argument("--prompt-len", type=int, default=32, help="longest prompt; others are up to 7 shorter")
+    ap.add_argument("--prompt-min", type=int, default=None, help="shortest prompt: lengths spread evenly from "
+                    "--prompt-len down to it (default: up to 7 shorter than --prompt-len)")
     ap.add_argument("--new", type=int, default=128, help="realistic: the cap of the row limits")
     ap.add_argument("--equal-new", type=int, default=None, help="equal: new tokens per row (None: --new)")
     ap.add_argument("--median", type=float, default=0.15, help="realistic: median length / --new")
@@ -197,6 +224,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each sampler, best kept")
     ap.add_argument("--clock", choices=["cpu", "wall"], default=None,
                     help="time measured: process CPU time or wall time (default: cpu on a CPU device, else wall)")
+    ap.add_argument("--call-cost", action="store_true", help="only measure engine.ATTN_CALL on this CPU, then exit")
     ap.add_argument("--check", action="store_true",
                     help="only check greedy parity with model.generate on --device (tiny fp32 model), then exit")
     ap.add_argument("--samplers", default="lockstep,continuous,model.generate",
@@ -205,6 +233,8 @@ def main():
     args.clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     if args.check:
         return check_parity(args.device)
+    if args.call_cost:
+        return call_cost()
 
     torch.set_grad_enabled(False)
     model = build_model(args.config, args.device)
@@ -212,10 +242,10 @@ def main():
     print(f"config={args.config} device={args.device} dtype={model.dtype} prompt<={args.prompt_len} "
           f"group={args.group} temperature={args.temperature}", flush=True)
     if args.workload in ("equal", "both"):
-        prompts = make_prompts(args.slots, args.prompt_len, args.group, V)
+        prompts = make_prompts(args.slots, args.prompt_len, args.group, V, shortest=args.prompt_min)
         run(model, args, "equal", prompts, [args.equal_new or args.new] * len(prompts), args.slots)
     if args.workload in ("realistic", "both"):
-        prompts = make_prompts(args.prompts, args.prompt_len, args.group, V, seed=1)
+        prompts = make_prompts(args.prompts, args.prompt_len, args.group, V, seed=1, shortest=args.prompt_min)
         limits = lognormal_limits(args.prompts, args.new, args.median, args.sigma)
         run(model, args, "realistic", prompts, limits, args.slots)
 

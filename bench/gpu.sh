@@ -15,7 +15,7 @@
 # 2. the decode step in the paper's regime (bench/decode.py --section paper): the 0.6B shape
 #    with LoRA r64, 120 rows, W = 512 / 2,560 / 5,120: ms per step (CUDA graphs on), and the
 #    kernel-launching ops and host syncs per step.
-# 3. the sampler: greedy parity with model.generate, then tokens/s of rollout.generate against
+# 3. the sampler: greedy parity with model.generate, then tokens/s of engine.generate against
 #    model.generate on a realistic workload (bench/generate.py).
 # At the end, one summary table, also written to $OUT/gpu-summary.txt ($OUT: the device tool's
 # output folder; the current folder when unset).

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpo  # noqa: E402
 import policies  # noqa: E402
-from generate import CONFIGS  # noqa: E402
+from shapes import CONFIGS  # noqa: E402
 
 DEPTH = {"0.6b": 28, "1.7b": 28, "4b": 36}
 

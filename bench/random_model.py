@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from generate import CONFIGS  # noqa: E402  (bench/generate.py: the published shapes)
+from shapes import CONFIGS  # noqa: E402  (bench/shapes.py: the published shapes)
 
 import toy  # noqa: E402
 

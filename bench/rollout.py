@@ -16,6 +16,7 @@ case for the ratio (a trained model stops rows early, and finished rows cost lit
 measurement is repeated --repeats times after a warm-up, best kept (shared, noisy machines).
 """
 import argparse
+import functools
 import os
 import sys
 import time
@@ -23,11 +24,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import engine  # noqa: E402
 import policies  # noqa: E402
 import rollout  # noqa: E402
 import toy  # noqa: E402
 import workflows as wf  # noqa: E402
-from bench.generate import CONFIGS  # noqa: E402
+from bench.shapes import CONFIGS  # noqa: E402
 
 
 def best_time(fn, repeats):
@@ -65,9 +67,9 @@ def main():
     N, G = args.problems, args.group
 
     def llm():
-        return rollout.make_llm(policy, temperature=0.7, max_new_tokens=args.new,
-                                seed=0,
-                                kv_budget=None if args.kv_mib is None else int(args.kv_mib * 2**20))
+        budget = None if args.kv_mib is None else int(args.kv_mib * 2**20)
+        return rollout.make_llm(policy, sampler=functools.partial(engine.generate, kv_budget=budget),
+                                temperature=0.7, max_new_tokens=args.new, seed=0)
 
     def single_stage():
         llm()("generator", ["generator"] * (N * G), [wf.generator_messages(p, "math") for p in problems for _ in range(G)])

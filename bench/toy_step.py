@@ -4,6 +4,7 @@ grading and the update with its pieces.
     python bench/toy_step.py                    # this checkout: warm start + 6 steps, twice
     python bench/toy_step.py --repo ../other    # another checkout of the project, the same way
     python bench/toy_step.py --full-run         # also `python train.py` from a fresh cache, whole
+    python bench/toy_step.py --repo ../other --cache .cache   # a toy model built there before: no warm start
 
 Everything runs as that checkout's own commands, so any version of the project can be measured
 and compared on one machine one after the other:
@@ -65,9 +66,9 @@ def median(ms, key):
     return statistics.median(m["time"][key] for m in ms)
 
 
-def measure(repo, steps, full_run):
+def measure(repo, steps, full_run, cache=None):
     tmp = tempfile.mkdtemp(prefix="toy-step-")
-    env = {**os.environ, "MARL_CACHE": os.path.join(tmp, "cache")}
+    env = {**os.environ, "MARL_CACHE": os.path.abspath(cache) if cache else os.path.join(tmp, "cache")}
     r, wall = run([sys.executable, "toy.py", "--task", "math"], repo, env, "the warm start")
     m = re.search(r"\((\d+) s\)", r.stdout)
     out = {"warm start (s)": float(m.group(1)) if m else wall}
@@ -107,13 +108,15 @@ def main():
     ap.add_argument("--repo", default=HERE, help="the checkout to measure (default: this one)")
     ap.add_argument("--steps", type=int, default=6, help="training steps per run; the first is left out (default: %(default)s)")
     ap.add_argument("--full-run", action="store_true", help="also time `python train.py` from a fresh cache (minutes)")
+    ap.add_argument("--cache", default=None, help="the MARL_CACHE to use (default: a fresh one): a toy model already "
+                    "built there is loaded, not warm-started, so the warm start's time is then only the lookup")
     args = ap.parse_args()
     if args.steps < 2:
         ap.error("--steps must be at least 2 (the first step is left out)")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.repo, capture_output=True,
                             text=True).stdout.strip() or "?"
     print(f"checkout {args.repo} ({commit}), {os.cpu_count()} cores, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}")
-    for key, value in measure(args.repo, args.steps, args.full_run).items():
+    for key, value in measure(args.repo, args.steps, args.full_run, args.cache).items():
         print(f"  {key:<44} {value:.2f}" if isinstance(value, float) else f"  {key:<44} {value}")
 
 

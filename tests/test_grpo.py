@@ -9,7 +9,7 @@ import damping
 import dynamics
 import grpo
 import policies
-import rollout
+import engine
 from conftest import tiny_qwen3
 from workflows import Call, Episode
 
@@ -28,11 +28,11 @@ def make_policy(roles, sharing, seed=0):
 
 
 def sampled(pol, rows, seed=0, max_new=6):
-    """rows: (role, slot, prompt, advantage) -> Samples with completions drawn by rollout.generate."""
+    """rows: (role, slot, prompt, advantage) -> Samples with completions drawn by engine.generate."""
     out = []
     for k, (role, slot, prompt, adv) in enumerate(rows):
         with torch.no_grad(), pol.using(pol.adapter(role)) as m:
-            gen = rollout.generate(m, [prompt], max_new, STOP, PAD, temperature=TEMP, seed=seed, keys=[k])
+            gen = engine.generate(m, [prompt], max_new, STOP, PAD, temperature=TEMP, seed=seed, keys=[k])
         n = int(gen.mask[0].sum())
         out.append(grpo.Sample(role, slot, "p0", list(prompt), gen.tokens[0, :n].tolist(),
                                gen.logprobs[0, :n].tolist(), bool(gen.finished[0]), 1.0, adv))
@@ -198,7 +198,7 @@ def test_recomputed_logprobs_equal_sampler_logprobs():
     pol = make_policy(("generator",), "shared")
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [13], [14, 15, 16, 17], [3, 4, 5]]
     with torch.no_grad(), pol.using("shared") as m:
-        gen = rollout.generate(m, prompts, 12, STOP, PAD, temperature=TEMP, seed=3)
+        gen = engine.generate(m, prompts, 12, STOP, PAD, temperature=TEMP, seed=3)
     lens = gen.mask.sum(1).tolist()
     assert len(set(lens)) > 1  # some rows stopped early: right padding is exercised
     S = [grpo.Sample("generator", "generator", "p", p, gen.tokens[i, :n].tolist(), gen.logprobs[i, :n].tolist(),

@@ -1,10 +1,11 @@
-"""rollout.generate against model.generate, the plain rollout.generate_simple, a teacher-forced
-recompute, and itself."""
+"""engine.generate against model.generate, the plain rollout.generate_simple, a teacher-forced
+recompute, and itself: the engine's spec (engine.py's docstring names the invariants)."""
 from collections import Counter
 
 import pytest
 import torch
 
+import engine
 import rollout
 import seeds
 from conftest import tiny_qwen3
@@ -22,7 +23,7 @@ STOP, PAD = [1, 2], 2
 def test_greedy_matches_hf_generate_on_left_padded_batch():
     for seed in range(3):
         m = tiny_qwen3(seed=seed)
-        g = rollout.generate(m, PROMPTS, 12, stop_ids=STOP, pad_id=PAD, temperature=0)
+        g = engine.generate(m, PROMPTS, 12, stop_ids=STOP, pad_id=PAD, temperature=0)
         ids, mask = rollout.left_pad(PROMPTS, PAD, "cpu")
         ref = m.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
                          pad_token_id=PAD, eos_token_id=STOP)[:, ids.shape[1]:]
@@ -33,9 +34,9 @@ def test_greedy_matches_hf_generate_on_left_padded_batch():
 
 def test_prompt_alone_equals_prompt_in_padded_batch():
     m = tiny_qwen3(seed=1)
-    batch = rollout.generate(m, PROMPTS, 10, stop_ids=STOP, pad_id=PAD, temperature=0)
+    batch = engine.generate(m, PROMPTS, 10, stop_ids=STOP, pad_id=PAD, temperature=0)
     for i, p in enumerate(PROMPTS):
-        alone = rollout.generate(m, [p], 10, stop_ids=STOP, pad_id=PAD, temperature=0)
+        alone = engine.generate(m, [p], 10, stop_ids=STOP, pad_id=PAD, temperature=0)
         n = alone.tokens.shape[1]
         assert torch.equal(alone.tokens[0], batch.tokens[i, :n])
         assert torch.allclose(alone.logprobs[0], batch.logprobs[i, :n], atol=1e-5)
@@ -51,7 +52,7 @@ def teacher_forced_logprobs(m, prompt, completion, temperature):
 
 def test_sampler_logprobs_equal_teacher_forced_recompute():
     m = tiny_qwen3(seed=2)
-    g = rollout.generate(m, PROMPTS, 10, stop_ids=STOP, pad_id=PAD, temperature=0.7, seed=0)
+    g = engine.generate(m, PROMPTS, 10, stop_ids=STOP, pad_id=PAD, temperature=0.7, seed=0)
     for i, p in enumerate(PROMPTS):
         comp = g.tokens[i][g.mask[i]].tolist()
         ref = teacher_forced_logprobs(m, p, comp, 0.7)
@@ -60,11 +61,11 @@ def test_sampler_logprobs_equal_teacher_forced_recompute():
 
 def test_stop_token_in_mask_then_pad_and_finished_flags():
     m = tiny_qwen3(seed=0)
-    free = rollout.generate(m, PROMPTS, 12, stop_ids=[63], pad_id=0, temperature=0)
+    free = engine.generate(m, PROMPTS, 12, stop_ids=[63], pad_id=0, temperature=0)
     # a stop id that row 0 emits at step 3 but some other row never emits
     stop = int(free.tokens[0, 3])
     assert any(stop not in free.tokens[i].tolist() for i in range(1, len(PROMPTS)))
-    g = rollout.generate(m, PROMPTS, 12, stop_ids=[stop, 63], pad_id=0, temperature=0)
+    g = engine.generate(m, PROMPTS, 12, stop_ids=[stop, 63], pad_id=0, temperature=0)
     kinds = set()
     for i in range(len(PROMPTS)):
         toks, mask = g.tokens[i], g.mask[i]
@@ -82,17 +83,17 @@ def test_stop_token_in_mask_then_pad_and_finished_flags():
 
 def test_second_stop_id_also_stops():
     m = tiny_qwen3(seed=0)
-    first = rollout.generate(m, [PROMPTS[0]], 12, stop_ids=STOP, pad_id=PAD, temperature=0)
+    first = engine.generate(m, [PROMPTS[0]], 12, stop_ids=STOP, pad_id=PAD, temperature=0)
     tok = int(first.tokens[0, 1])  # make the 2nd generated token a stop id of its own
-    g = rollout.generate(m, [PROMPTS[0]], 12, stop_ids=[tok, 63], pad_id=0, temperature=0)
+    g = engine.generate(m, [PROMPTS[0]], 12, stop_ids=[tok, 63], pad_id=0, temperature=0)
     assert g.finished[0] and g.mask[0].sum() <= 2
 
 
 def test_same_seed_same_output_and_group_rows_differ():
     m = tiny_qwen3(seed=3)
     group = [PROMPTS[0]] * 16
-    a = rollout.generate(m, group, 8, STOP, PAD, temperature=1.0, seed=7)
-    b = rollout.generate(m, group, 8, STOP, PAD, temperature=1.0, seed=7)
+    a = engine.generate(m, group, 8, STOP, PAD, temperature=1.0, seed=7)
+    b = engine.generate(m, group, 8, STOP, PAD, temperature=1.0, seed=7)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
     assert len(set(a.tokens[:, 0].tolist())) > 1  # each row samples its own first token
 
@@ -100,8 +101,8 @@ def test_same_seed_same_output_and_group_rows_differ():
 def test_prefix_sharing_gives_the_same_result_as_separate_prefill():
     m = tiny_qwen3(seed=4)
     prompts = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 2 + [PROMPTS[0]]
-    a = rollout.generate(m, prompts, 8, STOP, PAD, temperature=0.7, seed=1)
-    b = rollout.generate(m, prompts, 8, STOP, PAD, temperature=0.7, seed=1,
+    a = engine.generate(m, prompts, 8, STOP, PAD, temperature=0.7, seed=1)
+    b = engine.generate(m, prompts, 8, STOP, PAD, temperature=0.7, seed=1,
                          share_prefix=False)
     assert torch.equal(a.tokens, b.tokens)
     assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
@@ -128,7 +129,7 @@ LIMITS = [9, 3, 14, 6, 1, 11, 7, 4, 12, 8]
 def budget_for(model, rows, prompts=MANY, limits=LIMITS):
     """Bytes that hold `rows` rows of the longest prompt + limit (and not one more)."""
     need = max(len(p) + t for p, t in zip(prompts, limits))
-    return rows * need * rollout.kv_bytes_per_token(model.config, model.dtype) + 1
+    return rows * need * engine.kv_bytes_per_token(model.config, model.dtype) + 1
 
 
 def hf_alone(m, prompt, limit, stop=STOP):
@@ -150,10 +151,10 @@ def tiny_llama(seed=0):
 
 def test_greedy_in_a_small_budget_matches_hf_generate_alone():
     for m in [tiny_qwen3(seed=0), tiny_qwen3(seed=5), tiny_llama(seed=0)]:
-        free = rollout.generate(m, MANY, 14, stop_ids=[63], pad_id=PAD, temperature=0)
+        free = engine.generate(m, MANY, 14, stop_ids=[63], pad_id=PAD, temperature=0)
         stop = [int(free.tokens[0, 2]), 63]  # row 0 stops at step 2, others when they emit it
         stats = {}
-        g = rollout.generate(m, MANY, LIMITS, stop, PAD, temperature=0, kv_budget=budget_for(m, 3), stats=stats)
+        g = engine.generate(m, MANY, LIMITS, stop, PAD, temperature=0, kv_budget=budget_for(m, 3), stats=stats)
         assert stats["rows"] == 3 and g.finished.any() and not g.finished.all()
         for i, (p, limit) in enumerate(zip(MANY, LIMITS)):
             ref = hf_alone(m, p, limit, stop)
@@ -163,7 +164,7 @@ def test_greedy_in_a_small_budget_matches_hf_generate_alone():
 
 def test_logprobs_in_a_small_budget_equal_teacher_forced_recompute():
     m = tiny_qwen3(seed=2)
-    g = rollout.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, seed=0, kv_budget=budget_for(m, 4))
+    g = engine.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, seed=0, kv_budget=budget_for(m, 4))
     for i, p in enumerate(MANY):
         comp = g.tokens[i][g.mask[i]].tolist()
         assert len(comp) >= 1
@@ -180,7 +181,7 @@ def test_identical_prompts_prefilled_once_across_refills():
     runs = {}
     for share in (True, False):
         stats = {}
-        runs[share] = rollout.generate(m, prompts, limits, STOP, PAD, temperature=1.0, seed=1,
+        runs[share] = engine.generate(m, prompts, limits, STOP, PAD, temperature=1.0, seed=1,
                                        share_prefix=share, kv_budget=budget, stats=stats)
         assert stats["rows"] == 4
         assert stats["prefill_rows"] == (3 if share else 15)
@@ -191,9 +192,9 @@ def test_identical_prompts_prefilled_once_across_refills():
 
 def test_per_row_limits_and_finished_flags_in_a_small_budget():
     m = tiny_qwen3(seed=0)
-    free = rollout.generate(m, MANY, 14, stop_ids=[63], pad_id=0, temperature=0)
+    free = engine.generate(m, MANY, 14, stop_ids=[63], pad_id=0, temperature=0)
     stop = int(free.tokens[0, 2])  # a stop id that row 0 emits at step 2 (some rows never do)
-    g = rollout.generate(m, MANY, LIMITS, [stop, 63], 0, temperature=0, kv_budget=budget_for(m, 3))
+    g = engine.generate(m, MANY, LIMITS, [stop, 63], 0, temperature=0, kv_budget=budget_for(m, 3))
     kinds = set()
     for i, limit in enumerate(LIMITS):
         toks, mask = g.tokens[i], g.mask[i]
@@ -211,7 +212,7 @@ def test_per_row_limits_and_finished_flags_in_a_small_budget():
 
 def kv_bytes_held(cache):
     """Bytes of every tensor the cache's layers hold, by storage (views counted once); written
-    here again on purpose, so the test does not trust rollout.cache_bytes, which it checks."""
+    here again on purpose, so the test does not trust engine.cache_bytes, which it checks."""
     storages = {}
     for layer in cache.layers:
         for t in vars(layer).values():
@@ -232,7 +233,7 @@ def test_kv_memory_held_never_exceeds_the_budget():
         for rows in (1, 3, 5):
             budget, stats = budget_for(m, rows), {}
             held.clear()
-            rollout.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, kv_budget=budget, stats=stats,
+            engine.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, kv_budget=budget, stats=stats,
                              seed=0)
             assert held and max(held) <= budget
             assert max(held) > budget * (rows - 1) / rows  # the budget is used, not wasted
@@ -243,10 +244,10 @@ def test_kv_memory_held_never_exceeds_the_budget():
 
 def test_a_budget_below_one_row_gives_one_clear_error():
     m = tiny_qwen3()
-    bpt = rollout.kv_bytes_per_token(m.config, m.dtype)
+    bpt = engine.kv_bytes_per_token(m.config, m.dtype)
     need = max(len(p) + t for p, t in zip(MANY, LIMITS))
     with pytest.raises(ValueError) as e:
-        rollout.generate(m, MANY, LIMITS, STOP, PAD, kv_budget=need * bpt - 1)
+        engine.generate(m, MANY, LIMITS, STOP, PAD, kv_budget=need * bpt - 1)
     assert f"kv_budget {need * bpt - 1:,} B" in str(e.value) and f"{need * bpt:,} B" in str(e.value)
     assert f"{need} tokens" in str(e.value)
 
@@ -257,11 +258,11 @@ def test_kv_budget_helpers_at_the_real_shapes():
     for layers, hidden, heads, want in shapes.values():
         cfg = Qwen3Config(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                           num_key_value_heads=8, head_dim=128)
-        assert rollout.kv_bytes_per_token(cfg, torch.bfloat16) == want
-        assert rollout.kv_bytes_per_token(cfg, torch.float32) == 2 * want
-    assert rollout.rows_that_fit(10 * 2**30, 114_688, 5320) == 17
-    assert rollout.default_kv_budget("cpu") == rollout.CPU_KV_BUDGET
-    assert rollout.kv_budget_line(10 * 2**30, 114_688, 200, 5120) == "KV budget 10.00 GiB holds 17 rows of 200+5120 tokens"
+        assert engine.kv_bytes_per_token(cfg, torch.bfloat16) == want
+        assert engine.kv_bytes_per_token(cfg, torch.float32) == 2 * want
+    assert engine.rows_that_fit(10 * 2**30, 114_688, 5320) == 17
+    assert engine.default_kv_budget("cpu") == engine.CPU_KV_BUDGET
+    assert engine.kv_budget_line(10 * 2**30, 114_688, 200, 5120) == "KV budget 10.00 GiB holds 17 rows of 200+5120 tokens"
 
 
 def test_top_p_exact_tie_keeps_only_the_smallest_prefix():
@@ -283,7 +284,7 @@ def test_a_short_prompt_with_a_long_limit_beside_a_long_prompt():
     long, short = list(range(20, 30)), [5, 6]
     for prompts, limits in [([long, short], [2, 20]), ([long, short, short, short], [2, 2, 20, 20])]:
         stats = {}
-        g = rollout.generate(m, prompts, limits, [63], PAD, temperature=0,
+        g = engine.generate(m, prompts, limits, [63], PAD, temperature=0,
                              kv_budget=budget_for(m, 2, prompts, limits), stats=stats)
         assert stats["rows"] == 2 and stats["prefill_rows"] == 2
         for i, (p, limit) in enumerate(zip(prompts, limits)):
@@ -312,7 +313,7 @@ def test_generate_equals_generate_simple_greedy_through_refills(build, seed):
     assert all(int(simple.tokens[i, n[i] - 1]) in stop for i in simple.finished.nonzero()[:, 0])
     for rows in (1, 3):  # ten prompts through one or three cache rows: the rows refill
         stats = {}
-        fast = rollout.generate(m, MANY, LIMITS, stop, PAD, temperature=0, kv_budget=budget_for(m, rows),
+        fast = engine.generate(m, MANY, LIMITS, stop, PAD, temperature=0, kv_budget=budget_for(m, rows),
                                 stats=stats)
         assert stats["rows"] == rows
         assert_same_generation(fast, simple)
@@ -342,19 +343,19 @@ def test_sampling_equals_generate_simple_token_for_token_whatever_the_rows(build
     keys = [seeds.key("problem", i // 2, i % 2) for i in range(len(MANY))]
     simple = rollout.generate_simple(m, MANY, LIMITS, STOP, PAD, temperature=0.7, top_p=0.9, seed=5, keys=keys)
     for rows in (1, 3, None):
-        fast = rollout.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, top_p=0.9, seed=5, keys=keys,
+        fast = engine.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, top_p=0.9, seed=5, keys=keys,
                                 kv_budget=None if rows is None else budget_for(m, rows))
         assert_same_generation(fast, simple)
     # a row alone, or among the others in another order, samples the same tokens
     order = list(reversed(range(len(MANY))))
-    rev = rollout.generate(m, [MANY[i] for i in order], [LIMITS[i] for i in order], STOP, PAD, temperature=0.7,
+    rev = engine.generate(m, [MANY[i] for i in order], [LIMITS[i] for i in order], STOP, PAD, temperature=0.7,
                            top_p=0.9, seed=5, keys=[keys[i] for i in order], kv_budget=budget_for(m, 2))
     for j, i in enumerate(order):
         n = int(simple.mask[i].sum())
         assert torch.equal(rev.tokens[j, :n], simple.tokens[i, :n])
-    alone = rollout.generate(m, [MANY[4]], [LIMITS[4]], STOP, PAD, temperature=0.7, top_p=0.9, seed=5, keys=[keys[4]])
+    alone = engine.generate(m, [MANY[4]], [LIMITS[4]], STOP, PAD, temperature=0.7, top_p=0.9, seed=5, keys=[keys[4]])
     assert torch.equal(alone.tokens[0, :int(alone.mask[0].sum())], simple.tokens[4, :int(simple.mask[4].sum())])
-    other = rollout.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, top_p=0.9, seed=6, keys=keys)
+    other = engine.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, top_p=0.9, seed=6, keys=keys)
     assert not torch.equal(other.tokens, simple.tokens)   # the seed does change the draws
 
 
@@ -450,7 +451,7 @@ def test_decode_attention_equals_transformers_sdpa_and_eager_attention():
     eager, _ = eager_attention_forward(attn, q, k, v, torch.zeros(mask.shape).masked_fill(~mask, float("-inf")),
                                        scaling=attn.scaling)
     for groups in (None, ((0, 2, 11), (2, 4, 8), (4, 6, 2))):
-        ours, _ = rollout.decode_attention(attn, q, k, v, mask, scaling=attn.scaling, row_groups=groups)
+        ours, _ = engine.decode_attention(attn, q, k, v, mask, scaling=attn.scaling, row_groups=groups)
         assert ours.shape == ref.shape == (n, 1, 8, D)
         assert float((ours - ref).abs().max()) < 1e-6 and float((ours - eager).abs().max()) < 1e-6
 
@@ -464,35 +465,54 @@ def test_rows_attended_in_width_groups_sample_what_generate_simple_does(build, m
     # widths rounded to 2 columns and row groups of 2 or more rows, as on CUDA: steps attend
     # several groups of their own widths, the rows re-sorted at every refill; greedy and keyed
     # sampling must not notice
-    monkeypatch.setitem(rollout.WIDTH_BUCKET, "cpu", 2)
-    monkeypatch.setitem(rollout.GROUP_ROWS, "cpu", 2)
-    monkeypatch.setattr(rollout, "ATTN_GROUPS", 4)
-    seen, sorted_rows, groups = [], [], rollout._groups
+    monkeypatch.setitem(engine.WIDTH_BUCKET, "cpu", 2)
+    monkeypatch.setitem(engine.GROUP_ROWS, "cpu", 2)
+    monkeypatch.setitem(engine.ATTN_CALL, "cpu", 0)     # a call costs nothing: every width its own group
+    monkeypatch.setattr(engine, "ATTN_GROUPS", 4)
+    seen, sorted_rows, groups = [], [], engine._groups
 
-    def watched(st, length):
-        busy = st.busy[:st.n] == 1
-        width = (st.pos[:st.n] + 1)[busy]                       # the rows in flight, in cache order
-        sorted_rows.append(bool((width[:-1] >= width[1:]).all()) and busy.sum() == st.busy.sum())
-        seen.append(groups(st, length))
+    def watched(st, length, per_column):
+        busy = st.host.busy[:st.n] == 1
+        width = (st.host.pos[:st.n] + 1)[busy]                  # the rows in flight, in cache order
+        sorted_rows.append(bool((width[:-1] >= width[1:]).all()) and busy.sum() == st.host.busy.sum())
+        seen.append(groups(st, length, per_column))
         return seen[-1]
-    monkeypatch.setattr(rollout, "_groups", watched)
+    monkeypatch.setattr(engine, "_groups", watched)
     m = build(seed=0)
     keys = [seeds.key("mixed", i) for i in range(len(MIXED))]
     for temperature, top_p in ((0, 1.0), (0.7, 0.9)):
         simple = rollout.generate_simple(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=temperature, top_p=top_p,
                                          seed=3, keys=keys)
         for rows in (2, 5, None):
-            fast = rollout.generate(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=temperature, top_p=top_p, seed=3,
+            fast = engine.generate(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=temperature, top_p=top_p, seed=3,
                                     keys=keys, kv_budget=None if rows is None else budget_for(m, rows, MIXED, MIXED_LIMITS))
             assert_same_generation(fast, simple)
     assert max(len({w for _, _, w in gr}) for gr in seen) >= 3   # steps did attend several widths
     assert all(sorted_rows)                                       # widest first, all within the step
 
 
+def test_row_groups_are_the_cheapest_cut_when_a_call_costs_attn_call(monkeypatch):
+    """Rows widest first; the groups minimise calls x ATTN_CALL + rows x width x elements a
+    column: a cheap call splits at every drop in width, a dear one never, one between them
+    where the width falls most."""
+    import numpy as np
+    st = engine._Rows.empty(6, discard=6, device="cpu")
+    st.host.pos[:], st.host.busy[:], st.n = np.array([99, 98, 97, 9, 8, 7]), 1, 6   # widths 100, 99, 98, 10, 9, 8
+    for call, want in ((50, ((0, 3, 100), (3, 6, 10))),      # 2 calls + 300 + 30 = 430 against 650 in one
+                       (1000, ((0, 6, 100),)),                # nothing costs more than 1000: one call
+                       (0, ((0, 1, 100), (1, 2, 99), (2, 3, 98), (3, 4, 10), (4, 5, 9), (5, 6, 8)))):
+        monkeypatch.setitem(engine.ATTN_CALL, "cpu", call)
+        assert engine._groups(st, length=200, per_column=1) == want
+    st.host.busy[1] = 0     # a row that has ended sits between busy ones: a wider row after it opens a group
+    monkeypatch.setitem(engine.ATTN_CALL, "cpu", 0)
+    assert engine._groups(st, length=200, per_column=1)[:3] == ((0, 1, 100), (1, 2, 1), (2, 3, 98))
+
+
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 
 
 def test_no_host_sync_inside_a_decode_step_and_the_stop_check_read_once_every_4_steps(monkeypatch):
+    monkeypatch.setitem(engine.STOP_EVERY, "cpu", engine.STOP_EVERY["cuda"])   # the schedule of a GPU
     m = tiny_qwen3(seed=2)
     count, where = Counter(), ["loop"]
     for name in SYNCS:
@@ -500,7 +520,7 @@ def test_no_host_sync_inside_a_decode_step_and_the_stop_check_read_once_every_4_
             count[where[0]] += 1
             return _real(self, *a, **k)
         monkeypatch.setattr(torch.Tensor, name, counted)
-    for owner, name in ((rollout._Decoder, "forward"), (rollout, "_sample")):
+    for owner, name in ((engine._Decoder, "forward"), (engine, "_sample")):
         def inside(*a, _real=getattr(owner, name), **k):
             where[0] = "step"
             try:
@@ -509,7 +529,7 @@ def test_no_host_sync_inside_a_decode_step_and_the_stop_check_read_once_every_4_
                 where[0] = "loop"
         monkeypatch.setattr(owner, name, inside)
     stats = {}
-    rollout.generate(m, MIXED * 2, MIXED_LIMITS * 2, STOP, PAD, temperature=0.7, seed=0,
+    engine.generate(m, MIXED * 2, MIXED_LIMITS * 2, STOP, PAD, temperature=0.7, seed=0,
                      kv_budget=budget_for(m, 5, MIXED, MIXED_LIMITS), stats=stats)
     monkeypatch.undo()
     steps = stats["decode_steps"]
@@ -529,7 +549,7 @@ def test_no_repeat_kv_in_a_decode_step_on_any_transformers_version(monkeypatch):
         if hasattr(mod, "repeat_kv"):
             real = mod.repeat_kv
             monkeypatch.setattr(mod, "repeat_kv", lambda *a, _r=real, **k: calls.update([where[0]]) or _r(*a, **k))
-    forward = rollout._Decoder.forward
+    forward = engine._Decoder.forward
 
     def decoding(*a, **k):
         where[0] = "decode"
@@ -537,15 +557,17 @@ def test_no_repeat_kv_in_a_decode_step_on_any_transformers_version(monkeypatch):
             return forward(*a, **k)
         finally:
             where[0] = "other"
-    monkeypatch.setattr(rollout._Decoder, "forward", decoding)
+    monkeypatch.setattr(engine._Decoder, "forward", decoding)
     for m in (tiny_qwen3(seed=1), tiny_llama(seed=1)):
-        rollout.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, kv_budget=budget_for(m, 3))
+        engine.generate(m, MANY, LIMITS, STOP, PAD, temperature=0.7, kv_budget=budget_for(m, 3))
         m.config._attn_implementation = "eager"          # the patch does see a repeat_kv call
         m(input_ids=torch.tensor([[3, 4]]))
     assert calls["decode"] == 0 and calls["other"] >= 2
 
 
 def test_make_llm_fast_and_simple_samplers_give_the_same_calls(tmp_path):
+    import functools
+
     import policies
     from conftest import save_tiny_toy_model
     model, tok = policies.load(save_tiny_toy_model(tmp_path / "m"))
@@ -556,9 +578,10 @@ def test_make_llm_fast_and_simple_samplers_give_the_same_calls(tmp_path):
             p.normal_(0, 0.1)
     msgs = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((1, 2), (3, 45), (67, 8), (1, 2))]
     keys = [("p", i) for i in range(len(msgs))]
-    bpt = rollout.kv_bytes_per_token(model.config, model.dtype)
-    calls = {s: rollout.make_llm(pol, sampler=s, temperature=0.7, max_new_tokens=9, kv_budget=2 * 60 * bpt)(
-        "generator", ["generator"] * len(msgs), msgs, keys=keys) for s in ("fast", "simple")}
+    bpt = engine.kv_bytes_per_token(model.config, model.dtype)
+    samplers = {"fast": functools.partial(engine.generate, kv_budget=2 * 60 * bpt), "simple": rollout.generate_simple}
+    calls = {s: rollout.make_llm(pol, sampler=f, temperature=0.7, max_new_tokens=9)(
+        "generator", ["generator"] * len(msgs), msgs, keys=keys) for s, f in samplers.items()}
     for a, b in zip(calls["fast"], calls["simple"]):
         assert a.completion_ids == b.completion_ids and a.finished == b.finished and a.text == b.text
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
