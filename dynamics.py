@@ -111,10 +111,14 @@ class RoleDynamics(grpo.Probe):
 
     # ------------------------------------------------------------------ the hooks
 
-    def begin(self, samples, runs, old, ent):
-        self.samples, self.runs, self.old, self.ent = samples, runs, old, ent
+    def begin(self, samples, runs):
+        self.samples, self.runs, self.old, self.ent = samples, runs, {}, {}
         # every adapter's weights before its first step: the step's displacement is measured from here
         self.before = {name: flat_params(self.policy.parameters_of(name)) for name in self.policy.names}
+
+    def old_logprobs(self, old):
+        for i, (lp, ent) in old.items():
+            self.old[i], self.ent[i] = lp, ent
 
     def tokens(self, role, mask, ratio, clipped, k3):
         with torch.no_grad():

@@ -21,12 +21,13 @@ Each choice and the train.py flag that sets it (the flags fill a `Hyper`, fields
 - KL: beta_role = `--kl-coef` (0, off, as in the paper), overridden per role by
   `--kl-coef-role ROLE=VALUE`; the reference is the base model (`policy.using(None)`: for LoRA,
   the adapter switched off). No entropy bonus.
-- logp_old is recomputed once, before the first mini-batch, by the trainer's layout at the
-  weights the rollout used (the sampler's logprobs differ numerically even at equal weights):
-  a no-grad forward through `policy.inference`, which on an fp32 base folds the adapter into
-  the base weights (equal to the hooked forward within fp32 rounding); an adapter's first
-  mini-batch runs at those same weights, so its own forward's logprobs, detached, are its old
-  ones.
+- logp_old comes from the trainer's own forward at the weights the rollout used, never from
+  the sampler (whose logprobs differ numerically even at equal weights; the gap is logged):
+  `old_logprobs` recomputes it once, before the first optimizer step, for the rows after each
+  adapter's first mini-batch (a no-grad forward through `policy.inference`, which on an fp32
+  base folds the adapter into the base weights, equal to the hooked forward within fp32
+  rounding); the first mini-batch runs at those same weights, so `micro_loss` takes its rows'
+  own logprobs, detached, as theirs and returns them.
 - temperature: logits / `--temperature` in the trainer exactly as in the sampler.
 - one epoch; each optimizer's n samples are shuffled and cut into ceil(n / `--mini-batch`)
   mini-batches of near-equal size (512 each at the paper's settings), one AdamW step per
@@ -381,8 +382,12 @@ class Probe:
     leaves the same weights). `update` calls these hooks in this order; every one does nothing
     here."""
 
-    def begin(self, samples, runs, old, ent):
-        """Before the first adapter: which rows run, their old logprobs and entropies."""
+    def begin(self, samples, runs):
+        """Before the first adapter: the rows and which of them run."""
+
+    def old_logprobs(self, old):
+        """{row: (old logprob, entropy)} as they become known: the recomputed ones before the
+        first adapter, then each first mini-batch's own."""
 
     def tokens(self, role, mask, ratio, clipped, k3):
         """After a micro-batch's loss: its per-token tensors, (B, T) each (k3 may be None)."""
@@ -426,28 +431,31 @@ def rows_to_run(samples, hp: Hyper) -> list:
 
 
 @torch.no_grad()
-def reference_logprobs(policy, samples, recompute, runs, hp: Hyper):
-    """(old, entropy, ref): per-sample 1-D tensors from the training forward before any
-    parameter moves for the rows in `recompute`, None for the others (those of an adapter's
-    first mini-batch get theirs from their own training forward, see micro_loss); ref for the
-    rows that run and whose role has a KL."""
-    old, ent, ref = [None] * len(samples), [None] * len(samples), [None] * len(samples)
+def old_logprobs(policy, samples, rows: list, hp: Hyper) -> dict:
+    """{i: (old logprob, entropy)}, 1-D tensors, of rows `rows`: a no-grad forward under each
+    row's adapter before any parameter moves (the weights the rollout used). Only the rows
+    after their adapter's first mini-batch need it: the first mini-batch's own forward runs at
+    these same weights, so its logprobs are its old ones (micro_loss)."""
     by_name = defaultdict(list)
-    for i, s in enumerate(samples):
-        if recompute[i]:
-            by_name[policy.adapter(s.role)].append(i)
-    for name, rows in by_name.items():
+    for i in rows:
+        by_name[policy.adapter(samples[i].role)].append(i)
+    out = {}
+    for name, idx in by_name.items():
         with policy.inference(name) as model:
-            lps, ents = sequence_logprobs(model, [samples[i] for i in rows], hp.temperature, hp.token_budget)
-        for i, lp, e in zip(rows, lps, ents):
-            old[i], ent[i] = lp, e
-    kl_rows = [i for i in range(len(samples)) if runs[i] and hp.kl(samples[i].role)]
-    if kl_rows:
-        with policy.inference(None) as model:   # the frozen base is the KL reference
-            lps, _ = sequence_logprobs(model, [samples[i] for i in kl_rows], hp.temperature, hp.token_budget)
-        for i, lp in zip(kl_rows, lps):
-            ref[i] = lp
-    return old, ent, ref
+            lps, ents = sequence_logprobs(model, [samples[i] for i in idx], hp.temperature, hp.token_budget)
+        out.update((i, (lp, e)) for i, lp, e in zip(idx, lps, ents))
+    return out
+
+
+@torch.no_grad()
+def base_logprobs(policy, samples, rows: list, hp: Hyper) -> dict:
+    """{i: logprob} under the frozen base model (the KL reference) of rows `rows` (those that
+    run and whose role has a KL coefficient)."""
+    if not rows:
+        return {}
+    with policy.inference(None) as model:
+        lps, _ = sequence_logprobs(model, [samples[i] for i in rows], hp.temperature, hp.token_budget)
+    return dict(zip(rows, lps))
 
 
 def adapter_rows(policy, samples, name, shuffle=None) -> list:
@@ -488,27 +496,26 @@ def _padded(ts, T, dev):
     return out
 
 
-def micro_loss(model, samples, rows, refs, hp: Hyper, denom):
+def micro_loss(model, samples, rows, old: dict, base: dict, hp: Hyper, denom):
     """The loss of one micro-batch (one slot, so one role) as its part of the mini-batch loss,
-    and its per-token (mask, ratio, clipped, k3). refs = (old, entropy, ref) per sample; rows
-    without an old logprob are in their adapter's first mini-batch, whose forward runs at the
-    old weights: its own logprobs (detached) and entropies become theirs."""
-    old, ent, ref = refs
-    beta, first = hp.kl(samples[rows[0]].role), old[rows[0]] is None
+    its per-token (mask, ratio, clipped, k3), and the old logprobs and entropies it used, per
+    row. `old` {i: (logprob, entropy)} holds the rows after their adapter's first mini-batch; a
+    row of the first mini-batch is not in it, and its forward runs at the old weights, so its
+    own logprobs (detached) are its old ones. `base` {i: logprob}: the KL reference."""
+    beta, first = hp.kl(samples[rows[0]].role), rows[0] not in old
     logp, entropy, mask = batch_logprobs(model, [samples[i].prompt_ids for i in rows],
                                          [samples[i].completion_ids for i in rows], hp.temperature,
                                          entropy=first)                                         # (B, T)
-    if first:
-        for r, i in enumerate(rows):
-            n = len(samples[i].completion_ids)
-            old[i], ent[i] = logp[r, :n].detach(), entropy[r, :n]
+    n = [len(samples[i].completion_ids) for i in rows]
+    used = ({i: (logp[r, :n[r]].detach(), entropy[r, :n[r]]) for r, i in enumerate(rows)} if first
+            else {i: old[i] for i in rows})
     T, dev = logp.shape[1], logp.device
     adv = torch.tensor([samples[i].advantage for i in rows], device=dev, dtype=torch.float32)   # (B,)
     loss, _, ratio, clipped, k3 = objective(
-        logp, _padded([old[i] for i in rows], T, dev), adv, mask, clip_low=hp.clip_low,
+        logp, _padded([used[i][0] for i in rows], T, dev), adv, mask, clip_low=hp.clip_low,
         clip_high=hp.clip_high, clip_c=hp.clip_c, loss_norm=hp.loss_norm, denom=denom,
-        ref_logp=_padded([ref[i] for i in rows], T, dev) if beta else None, kl_coef=beta)
-    return loss, (mask, ratio, clipped, k3)
+        ref_logp=_padded([base[i] for i in rows], T, dev) if beta else None, kl_coef=beta)
+    return loss, (mask, ratio, clipped, k3), used
 
 
 def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, reduce=None, probe=None,
@@ -525,9 +532,12 @@ def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, red
     names = [name for name in policy.names if not frozen(optimizers[name])]
     runs = [r and policy.adapter(s.role) in names for r, s in zip(rows_to_run(samples, hp), samples)]
     plan = {name: optimizer_batches(adapter_rows(policy, samples, name, shuffle), hp.mini_batch) for name in names}
-    later = set(i for mbs in plan.values() for mb in mbs[1:] for i in mb)
-    refs = reference_logprobs(policy, samples, [runs[i] and i in later for i in range(len(samples))], runs, hp)
-    probe.begin(samples, runs, *refs[:2])
+    # the old logprobs: recomputed now for the rows after each adapter's first mini-batch; the
+    # first mini-batch's own forward gives its rows theirs (micro_loss), before the first step
+    old = old_logprobs(policy, samples, [i for mbs in plan.values() for mb in mbs[1:] for i in mb if runs[i]], hp)
+    base = base_logprobs(policy, samples, [i for i, s in enumerate(samples) if runs[i] and hp.kl(s.role)], hp)
+    probe.begin(samples, runs)
+    probe.old_logprobs(old)
     intervention.begin()
     for name in names:
         opt, params = optimizers[name], policy.parameters_of(name)
@@ -539,8 +549,11 @@ def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, red
                 for micro in forward_batches(samples, [i for i in slot_rows if runs[i]], hp.token_budget):
                     # the backward runs under the adapter too: checkpointed layers recompute in it
                     with policy.using(name) as model:
-                        loss, per_token = micro_loss(model, samples, micro, refs, hp, denom)
+                        loss, per_token, used = micro_loss(model, samples, micro, old, base, hp, denom)
                         loss.backward()
+                    if micro[0] not in old:       # the first mini-batch: its old logprobs are new
+                        old.update(used)
+                        probe.old_logprobs(used)
                     probe.tokens(role, *per_token)
                 probe.slot_done(name, role, slot, params)
                 intervention.slot_done(name, role, slot, params)
