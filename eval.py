@@ -48,15 +48,19 @@ Analyse the run folders train.py writes:
   report) write, none with --no-plots.
 """
 import argparse
+import functools
 import json
 import os
 import sys
 from collections import defaultdict
 
-import analysis   # the --runs mode: reading, summarising and reporting run folders
 import flags      # one-line errors as train.py's, and the workflows' parameter flags
 import taskkinds  # torch-free: the registry of task kinds
 import workflows  # torch-free: the registry of workflows, roles and role kinds
+
+# analysis.py (reading, summarising and reporting run folders) is the lab's: the command line and
+# the --runs mode import it where they use it, so a training run's evaluation (eval_record, which
+# train.py calls) loads none of it (tests/test_train.py checks which modules a run loads).
 
 
 # ----------------------------------------------------------------------------- pass@k
@@ -358,6 +362,7 @@ def resolve_checkpoint(path: str) -> tuple:
 def _checkpoint_config(checkpoint: str, run_dir: str) -> dict:
     """How a checkpoint's run was configured: RUN/config.json, with rank and alpha from the
     adapters' own adapter_config.json when there."""
+    import analysis
     cfg = analysis.read_config(run_dir)
     for name in sorted(os.listdir(checkpoint)):
         path = os.path.join(checkpoint, name, "adapter_config.json")
@@ -423,6 +428,7 @@ def _draws(args, cfg: dict, checkpoint) -> dict:
     with the draws its run's evaluation at that step took (the run's --seed, stream ("eval",
     step)) and the run's batch of episodes, so its pass@1 is the one eval.jsonl holds for the
     same problems; --seed chooses other draws. A base model: --seed (default 0), step 0."""
+    import analysis
     step = None
     if checkpoint and os.path.isfile(os.path.join(checkpoint, "state.pt")) and "seed" in cfg:
         import torch
@@ -450,6 +456,7 @@ def load_problems(data: str, kind: str, n: int | None, seed: int) -> tuple:
 
 
 def _llm_from_settings(args, st: dict, kind: str):
+    import engine
     import policies
     import rollout
     model, tokenizer = policies.load(st["scale"], device=args.device, toy_task=kind, quiet=args.quiet or args.json,
@@ -458,9 +465,10 @@ def _llm_from_settings(args, st: dict, kind: str):
                              isolation=st["isolation"], rank=st["lora_rank"], alpha=st["lora_alpha"])
     if st["checkpoint"]:
         policy.load_adapters(st["checkpoint"])
-    return rollout.make_llm(policy, temperature=args.temperature, top_p=1.0, seed=st["seed"],
+    sampler = functools.partial(engine.generate, kv_budget=engine.default_kv_budget(args.device))
+    return rollout.make_llm(policy, sampler=sampler, temperature=args.temperature, top_p=1.0, seed=st["seed"],
                             max_new_tokens=st["max_new_tokens"], max_prompt_tokens=st["max_prompt_tokens"],
-                            max_embed_tokens=st["max_embed_tokens"], kv_budget=rollout.default_kv_budget(args.device))
+                            max_embed_tokens=st["max_embed_tokens"])
 
 
 def _pct(x) -> str:
@@ -472,6 +480,7 @@ def _num(x, fmt=".3g") -> str:
 
 
 def _print_evaluation(res: dict):
+    import analysis
     print(f"{res['workflow']} / {res['data']} ({res['task']}) / {res['scale']} / {res['checkpoint'] or 'base'}: "
           f"{res['problems']} problems x {res['samples']} samples, T={res['temperature']}")
     print(analysis.text_table(["k", "pass@k (%)"], [[k, _pct(v)] for k, v in res["pass@k"].items()]))
@@ -498,6 +507,7 @@ def _evaluate_cli(args):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         st, notes = resolve_settings(args)
+        workflows.check_instructions(st["workflow"], st["task"])   # before the model loads, as train.py's flags
         if st["scale"] == "toy":
             tasks.check_toy_data("--data", st["data"])
             toy.check_roles(st["workflow"], workflows.ROLES[st["workflow"]])
@@ -525,6 +535,7 @@ def _evaluate_cli(args):
 
 def _write_plots(summaries: list, runs: dict, report: str | None, quiet: bool) -> list:
     """Each run's plots into its folder; with a report, the cross-run figures next to it."""
+    import analysis
     import plots  # here: matplotlib is optional, and plots.py imports it only when drawing
     try:
         for s in summaries:
@@ -536,10 +547,14 @@ def _write_plots(summaries: list, runs: dict, report: str | None, quiet: bool) -
         return []
 
 
-def analyse_runs(folders: list, cliff_drop: float = analysis.CLIFF_DROP, cliff_window: int = analysis.CLIFF_WINDOW,
+def analyse_runs(folders: list, cliff_drop: float | None = None, cliff_window: int | None = None,
                  plots: bool = True, report: str | None = None, quiet: bool = False,
                  pre_cliff_steps: int | None = None) -> tuple:
-    """(summaries, cross-run figures written) of every run folder among `folders`."""
+    """(summaries, cross-run figures written) of every run folder among `folders` (the cliff rule:
+    analysis.CLIFF_DROP and CLIFF_WINDOW where None)."""
+    import analysis
+    cliff_drop = analysis.CLIFF_DROP if cliff_drop is None else cliff_drop
+    cliff_window = analysis.CLIFF_WINDOW if cliff_window is None else cliff_window
     folders, notes = analysis.run_folders(folders)
     if not quiet:
         for note in notes:  # e.g. a shell glob that also caught report.md
@@ -553,7 +568,7 @@ def analyse_runs(folders: list, cliff_drop: float = analysis.CLIFF_DROP, cliff_w
     return summaries, figures
 
 
-def analyse(folders: list, cliff_drop: float = analysis.CLIFF_DROP, cliff_window: int = analysis.CLIFF_WINDOW,
+def analyse(folders: list, cliff_drop: float | None = None, cliff_window: int | None = None,
             plots: bool = True, report: str | None = None, quiet: bool = False,
             pre_cliff_steps: int | None = None) -> list:
     """Summaries of every run folder among `folders`; plots written into each folder (when
@@ -564,6 +579,7 @@ def analyse(folders: list, cliff_drop: float = analysis.CLIFF_DROP, cliff_window
 # ----------------------------------------------------------------------------- CLI: analyse
 
 def _analyse_cli(args):
+    import analysis
     folders, notes = analysis.run_folders(args.runs)
     if not folders:
         raise SystemExit(f"error: no run folder among --runs: {'; '.join(notes)}")
@@ -593,6 +609,7 @@ def _analyse_cli(args):
 
 def _dose_cli(args, summaries):
     """The dose-response of the runs against --dose KNOB: a table, and its figure at --dose-figure."""
+    import analysis
     try:
         points = analysis.dose(summaries, args.dose.replace("-", "_"))
     except ValueError as e:
@@ -625,6 +642,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _parser():
+    import analysis
     import tasks
     p = flags.Parser(
         prog="eval.py", description="Evaluate a workflow (--workflow/--task/--scale, or --checkpoint) or analyse run folders (--runs).",

@@ -115,12 +115,12 @@ def _rollout_flags(g):
                    "attempt) embedded in a later prompt keeps at most this many tokens, its head and tail, 0 for no "
                    "limit (default: none at --scale toy, %d otherwise)" % tasks.MAX_EMBED_TOKENS)
     g.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache a generate call may hold, GiB (default: "
-                   "0.85 (rollout.KV_FRACTION) of the GPU memory left free after loading on CUDA, 4 on CPU; printed at start)")
+                   "0.85 (engine.KV_FRACTION) of the GPU memory left free after loading on CUDA, 4 on CPU; printed at start)")
     g.add_argument("--max-rows", type=int, default=None, help="most rows decoded at once (default: as many as the KV budget holds)")
     g.add_argument("--cuda-graphs", default="on", choices=["on", "off"], help="on CUDA, replay each decode step "
                    "shape from a CUDA graph captured on first use; off: every step eager (default: %(default)s; "
                    "no effect on CPU)")
-    g.add_argument("--sampler", default="fast", choices=["fast", "simple"], help="fast: rollout.generate, rows "
+    g.add_argument("--sampler", default="fast", choices=["fast", "simple"], help="fast: engine.generate, rows "
                    "refilled as they stop within the KV budget; simple: rollout.generate_simple, the plain lockstep "
                    "loop of the README's reading path, slower, the same samples (every draw is keyed) "
                    "(default: %(default)s)")
@@ -215,6 +215,7 @@ def resume_args(ap, args):
     defaults = {a.dest: a.default for a in ap._actions if a.dest != "help"}
     args = argparse.Namespace(**{**defaults, **saved, **keep})
     args.out = args.resume
+    _check_instructions(ap, args)   # the registries may have changed since the run was saved
     return args
 
 
@@ -308,6 +309,7 @@ def check_args(ap, args):
         ap.error(f"--token-budget {args.token_budget} holds no row at the length limits: at least {row} "
                  "(max-prompt-tokens + max-new-tokens)")
     _check_workflow_params(ap, args)
+    _check_instructions(ap, args)
     _check_device(ap, args.device)
     package = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(args.log_to)
     if package and importlib.util.find_spec(package) is None:  # before minutes of model loading
@@ -372,6 +374,16 @@ def _check_workflow_params(ap, args):
         if args.toy_check + 12 > args.max_new_tokens:
             ap.error(f"--toy-check {args.toy_check}: a supervisor's check and verdict would not fit in "
                      f"--max-new-tokens {args.max_new_tokens}; raise it to at least {args.toy_check + 12}")
+
+
+def _check_instructions(ap, args):
+    """workflows.check_instructions: every parsed role of the workflow has an instruction of its
+    own on the task, and the task kind's strings keep the phrase rules."""
+    import workflows
+    try:
+        workflows.check_instructions(args.workflow, args.task)
+    except ValueError as e:
+        ap.error(str(e))
 
 
 def hyper(args):

@@ -21,8 +21,7 @@ Choices, each a flag of train.py:
 - `--grad-checkpointing`: `checkpoint_layers` recomputes each decoder layer in the backward
   (on by default at real scales, where a long micro-batch's activations would not fit;
   bench/memory.py counts them with and without, README "Real models").
-- The active adapter is one name for the whole batch, `None` for the base, or a list with one
-  name per row (rows are grouped by adapter inside each hook) so one batch can mix roles.
+- The active adapter is one name for the whole batch, or `None` for the base.
 - Adapters are saved in PEFT's file layout (adapter_config.json + adapter_model.safetensors with
   keys `base_model.model.<module>.lora_A.weight`), so peft and vLLM's multi-LoRA serving load a
   trained role as it is; `export_merged` writes W + (alpha/r) B A as an ordinary model folder.
@@ -136,7 +135,7 @@ class LoRA(nn.Module):
         super().__init__()
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         self.targets = lora_targets(model)
-        self.active = None  # None (base), a name, or a list of names, one per row
+        self.active = None  # None (base) or an adapter name
         self._cast = {}     # (name, layer, dtype) -> [versions, A, B]: see weights
         # per adapter name, one parameter list aligned with `targets` (module names contain
         # dots, which parameter-dict keys may not)
@@ -174,11 +173,6 @@ class LoRA(nn.Module):
             held[2].copy_(B)
         return held[1], held[2]
 
-    def delta(self, name: str, i: int, x):
-        """scale x A^T B^T (N..., out) in x's dtype."""
-        A, B = self.weights(name, i, x.dtype)
-        return x @ A.t() @ B.t() * self.scale
-
     def add_delta(self, name: str, i: int, x, out):
         """out + scale x A^T B^T in the base's dtype: x A^T (N, r), then one addmm that multiplies
         by B^T, scales and adds to the base's output. On a bf16 base the small delta is added in
@@ -190,17 +184,9 @@ class LoRA(nn.Module):
 
     def _hook(self, i: int):
         def hook(module, inputs, out):
-            active = self.active
-            if active is None:
+            if self.active is None:
                 return out
-            x = inputs[0]
-            if isinstance(active, str):
-                return self.add_delta(active, i, x, out)
-            out = out.clone()  # per-row adapters: rows grouped by name
-            for name in set(active):
-                rows = torch.tensor([r for r, a in enumerate(active) if a == name], device=x.device)
-                out[rows] += self.delta(name, i, x[rows])
-            return out
+            return self.add_delta(self.active, i, inputs[0], out)
         return hook
 
     def merged_weight(self, name: str, i: int, weight):
@@ -253,11 +239,8 @@ class Policy(nn.Module):
 
     @contextlib.contextmanager
     def using(self, name):
-        """Yield the module to call with adapter `name` active (None: the frozen base; a list:
-        one name per row, LoRA only)."""
+        """Yield the module to call with adapter `name` active (None: the frozen base)."""
         if self.isolation == "full":
-            if isinstance(name, list):
-                raise ValueError("per-row adapters need --isolation lora")
             yield self.model if name is None else self.copies[name]
             return
         prev, self.lora.active = self.lora.active, name
@@ -272,7 +255,7 @@ class Policy(nn.Module):
         base weights (W + scale B A) for the duration, one matmul a layer instead of the hook's
         three, and the base's own weights are put back exactly after. On a bf16 base the hooks
         run, since folding would round the adapter's small update into the base's precision."""
-        if self.isolation == "full" or name is None or isinstance(name, list) or torch.is_grad_enabled() \
+        if self.isolation == "full" or name is None or torch.is_grad_enabled() \
                 or next(self.model.parameters()).dtype != torch.float32:
             with self.using(name) as model:
                 yield model

@@ -20,9 +20,17 @@ A registration gives everything the rest of the code asks of a kind:
 
     score(texts, problems, task) -> list[float]     the batch entry point training calls once a step
 
+Every instruction is fixed prompt text (workflows.phrases()) and keeps the phrase rules of
+`check_phrases`: one line, and none holding another fixed string. `register_task` refuses a kind
+that breaks them against the other kinds' strings (the user-message headers and the workflows'
+own instructions live in workflows.py, which imports this module: `workflows.check_instructions`
+checks the kind against them at a run's start).
+
 Everything that names task kinds reads TASK_KINDS: train.py's and eval.py's --task choices,
-sweep.py's --tasks, tasks.py's validation and defaults, workflows.py's instructions, and with
-them the toy tokenizer's phrases (a new instruction is a new toy model: README, "Forking").
+sweep.py's --tasks, tasks.py's validation and defaults, and workflows.py's instructions. The toy
+world is closed: its tokenizer, key and models hold the built-in math and code kinds' phrases
+alone (toy.phrases), so a new kind leaves them as they are and runs on a real model (README,
+"Forking").
 Run: `python -m pytest -q tests/test_rewards.py tests/test_forking.py`.
 """
 import concurrent.futures
@@ -65,6 +73,10 @@ class TaskKind:
     def revision(self) -> str:
         return self.revise or self.default
 
+    def phrases(self) -> tuple:
+        """Its fixed prompt strings, each once: every role's instruction, the revision turn's, the default."""
+        return tuple(dict.fromkeys((*self.instructions.values(), self.revision(), self.default)))
+
 
 # name -> TaskKind, in order of registration
 TASK_KINDS: dict[str, TaskKind] = {}
@@ -73,18 +85,44 @@ TASK_KINDS: dict[str, TaskKind] = {}
 def register_task(name: str, reward: Callable, instructions: dict, default: str, check: Callable,
                   **options) -> TaskKind:
     """Add a task kind; `options` are TaskKind's optional fields (max_new_tokens, data, revise,
-    rounds, marker, key, workers)."""
+    rounds, marker, key, workers). Its strings must keep the phrase rules (check_phrases) beside
+    every other kind's; registering a kind again under its name replaces it."""
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
         raise ValueError(f"task kind {name!r}: a name is lower-case letters, digits and _")
-    strings = [default, *instructions.values()] + ([options["revise"]] if options.get("revise") else [])
-    if any(not isinstance(s, str) or not s or "\n" in s for s in strings):
-        raise ValueError(f"task kind {name!r}: every instruction is one non-empty line of text")
+    others = [p for k in TASK_KINDS.values() if k.name != name for p in k.phrases()]
+    check_phrases([*instructions.values(), *([options["revise"]] if options.get("revise") else []), default],
+                  others, f"task kind {name!r}")
     kind = TaskKind(name, reward, dict(instructions), default, check, **options)
     taken = {k.marker: k.name for k in TASK_KINDS.values() if k.marker and k.name != name}
     if kind.marker in taken:
         raise ValueError(f"task kind {name!r}: records with {kind.marker!r} already mark {taken[kind.marker]}")
     TASK_KINDS[name] = kind
     return kind
+
+
+def check_phrases(new: list, known, owner: str) -> None:
+    """The phrase rules of fixed prompt text, the one place they are written: a ValueError in
+    one line naming `owner` unless each string of `new` is one non-empty line with no spaces
+    around it that, unless it equals a phrase of `known` (sharing a phrase is fine), neither holds
+    one nor is held by one. The strings of `new` are checked in order, each then known to the
+    next. Why: prompts are phrases and variable text joined by newlines, and a tokenizer that
+    makes each phrase one token (the toy one) would split a phrase that holds another."""
+    known = list(known)
+    for text in new:
+        if not isinstance(text, str) or not text or "\n" in text or text != text.strip():
+            raise ValueError(f"{owner}: an instruction is one non-empty line with no spaces around it, "
+                             f"got {shortened(text)}")
+        clash = next((p for p in known if p != text and (p in text or text in p)), None)
+        if clash is not None:
+            inner, outer = (clash, text) if clash in text else (text, clash)
+            raise ValueError(f"{owner}: the fixed prompt string {shortened(inner)} is inside {shortened(outer)}; "
+                             "no phrase may hold another: reword the new one, or use the existing phrase whole")
+        known.append(text)
+
+
+def shortened(text, n: int = 40) -> str:
+    """repr of `text`, cut to its first n characters and "..." when longer (for one-line errors)."""
+    return repr(text[:n].rstrip() + "..." if isinstance(text, str) and len(text) > n else text)
 
 
 def get(task: str) -> TaskKind:

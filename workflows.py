@@ -27,13 +27,15 @@ Exact choices:
   the key even at 0, so fallbacks / calls is that role's unparsable-output rate.
 - Prompts: a system message holding one instruction and a user message. The instruction of a
   role on a task is the task kind's (taskkinds.py; math and code have one per role) unless the
-  workflow registered its own (`instruction`); the user message is only USER_PHRASES and
-  variable text (problem, solutions, feedback, strategy) joined by "\\n". `phrases()` lists
-  every fixed string, so a tokenizer that knows them as whole tokens (the toy one) spends one
-  token per fixed string. The
-  orchestrator's instruction asks for "up to 3" strategies (the paper's value);
-  `max_strategies` is the parser's cap. The code problem's text already carries its starter
-  code or stdin/stdout format, so code prompts add nothing to it.
+  workflow registered its own (`instruction`); a role whose output is parsed (supervisory or
+  planning) must have one of the two, never only the kind's default (`check_instructions`,
+  at a run's start). The user message is only USER_PHRASES and variable text (problem,
+  solutions, feedback, strategy) joined by "\\n". `phrases()` lists every fixed string, and none
+  holds another (taskkinds.check_phrases), so a tokenizer that knows them as whole tokens
+  (the toy one) spends one token per fixed string. The orchestrator's instruction asks for
+  "up to 3" strategies (the paper's value); `max_strategies` is the parser's cap. The code
+  problem's text already carries its starter code or stdin/stdout format, so code prompts add
+  nothing to it.
 - Math roles that answer end with `\\boxed{}`; code roles answer in one ```python block.
 - An earlier call's text embedded in a later prompt (solutions, attempts) goes through
   `llm.clip` first when the llm has one (rollout.py's bounds each to --max-embed-tokens), so a
@@ -48,6 +50,10 @@ A new workflow is one `register(name, fn, roles, slots, kinds=..., instructions=
 call: train.py's and eval.py's `--workflow` choices and parameter flags, sweep.py's cells and
 axes, and eval.py's role groups and colours all read the registry, and run_workflow checks each
 call's role and slot against it (README, "Adding a workflow", lists what cannot be derived).
+What a registration leaves unsaid is refused in one line, never filled in: at `register`, an
+instruction that breaks the phrase rules or changes another workflow's prompt; at a run's start
+(`check_instructions`: train.py's flags, eval.py, run_workflow), a parsed role with no
+instruction of its own on the task.
 """
 import re
 from collections import Counter
@@ -153,7 +159,9 @@ USER_PHRASES = (PROBLEM, ATTEMPT, FEEDBACK, STRATEGY, *SOLUTION_HEADERS, DIRECT_
 
 # Each role's system instruction on each task comes from the task kind (taskkinds.py): the
 # instructions it names, else its default; a workflow may register instructions of its own
-# for a role on a task (ROLE_INSTRUCTIONS), and those come first.
+# for a role on a task (ROLE_INSTRUCTIONS), and those come first. The dict is keyed by (role,
+# task), not by workflow: an entry is that role's prompt in every workflow, so `register`
+# refuses one that would change an instruction a (role, task) already has.
 ROLE_INSTRUCTIONS: dict[tuple[str, str], str] = {}
 
 
@@ -166,14 +174,53 @@ def phrases(kinds: tuple | None = None, registered: bool = True) -> tuple[str, .
     """Every fixed string any prompt contains, each once: USER_PHRASES, then the task
     kinds' instructions role by role (each role's for every kind in turn), their revision
     turns' and defaults, then (`registered`) the workflows' own. `kinds`: only these task
-    kinds (default: every registered one). None may contain another or a newline (tests check
-    both); the toy tokenizer makes the built-in ones one token each (toy.phrases)."""
+    kinds (default: every registered one). None holds another or a newline
+    (taskkinds.check_phrases, at registration and at a run's start); the toy tokenizer makes
+    the built-in ones one token each (toy.phrases)."""
     kinds = [taskkinds.TASK_KINDS[k] for k in kinds] if kinds is not None else list(taskkinds.TASK_KINDS.values())
     roles = dict.fromkeys(role for k in kinds for role in k.instructions)
     told = [k.instructions[role] for role in roles for k in kinds if role in k.instructions]
     own = [*(k.revision() for k in kinds), *(k.default for k in kinds),
            *(ROLE_INSTRUCTIONS.values() if registered else ())]
     return tuple(dict.fromkeys((*USER_PHRASES, *told, *own)))
+
+
+PARSED = ("supervisory", "planning")   # role kinds whose output a parser reads in a fixed format
+
+
+def check_instructions(workflow: str, task: str) -> None:
+    """A ValueError in one line unless `workflow` may run on `task` with the prompts it would
+    get: every role whose output is parsed (ROLE_KINDS in PARSED) has an instruction of its own
+    on the task (the workflow's registered one, or the task kind's `instructions[role]`), since
+    the kind's default is written for another role (math's and code's: the generator's) and
+    its parser would fall back on every call; and the kind's strings keep the phrase rules
+    beside the headers and the workflows' instructions (register_task could check them against
+    the other kinds only). train.py's flags, eval.py and run_workflow call it first."""
+    if workflow not in WORKFLOWS:
+        raise ValueError(f"unknown workflow {workflow!r}; choose one of {sorted(WORKFLOWS)}")
+    kind = taskkinds.get(task)
+    for role in ROLES[workflow]:
+        if ROLE_KINDS[role] in PARSED and _own_instruction(role, task) is None:
+            raise ValueError(f"workflow {workflow!r} on task {task!r}: the {role}'s output is parsed (a "
+                             f"{ROLE_KINDS[role]} role), but it has no instruction of its own on {task}, only the "
+                             f"task kind's default, written for another role; give it one: "
+                             f"{_fix(workflow, role, task)}")
+    taskkinds.check_phrases(kind.phrases(), phrases(), f"task kind {task!r}")
+
+
+def _own_instruction(role: str, task: str) -> str | None:
+    """The instruction `role` has on `task` of its own: a workflow's registered one, else the
+    task kind's for that role; None when it would get only the kind's default."""
+    kind = taskkinds.TASK_KINDS.get(task)
+    return ROLE_INSTRUCTIONS.get((role, task)) or (kind.instructions.get(role) if kind else None)
+
+
+def _fix(workflow: str, role: str, task: str) -> str:
+    """The registration that gives `role` its instruction on `task`: the task kind's, for a role
+    some kind names (a built-in role on a new kind); the workflow's, for a role of its own."""
+    if any(role in k.instructions for k in taskkinds.TASK_KINDS.values()):
+        return f"register_task({task!r}, ..., instructions={{{role!r}: ...}})"
+    return f"register({workflow!r}, ..., instructions={{({role!r}, {task!r}): ...}})"
 
 
 def _messages(system: str, *parts: str) -> list[dict]:
@@ -444,21 +491,48 @@ def register(name: str, fn: Callable, roles: tuple, slots, kinds: dict | None = 
     under isolated), its slots (the advantage groups: a tuple, or a function of the parameters'
     values that gives them), for new role types their kinds (ROLE_KINDS), system instructions of
     its own {(role, task): text}, and its parameters (Param: flags of train.py and eval.py, axes
-    of sweep.py)."""
+    of sweep.py). Nothing is registered when a check fails: a role with no kind or another kind
+    than it has, an instruction for a (role, task) that has one of its own with another text
+    (ROLE_INSTRUCTIONS is every workflow's: a new role name gives a prompt of its own), one that
+    breaks the phrase rules (taskkinds.check_phrases), a bad parameter. The same again (a
+    re-import) is fine."""
     kinds, instructions = dict(kinds or {}), dict(instructions or {})
-    for role in roles:
-        kind = kinds.get(role, ROLE_KINDS.get(role))
-        if kind not in KINDS:
-            raise ValueError(f"workflow {name!r}: role {role!r} needs a kind, one of {KINDS}")
-        ROLE_KINDS[role] = kind
-    if any(not isinstance(text, str) or not text or "\n" in text for text in instructions.values()):
-        raise ValueError(f"workflow {name!r}: every instruction is one non-empty line of text")
+    resolved = {role: _kind_of(name, role, kinds.get(role)) for role in roles}
+    for key, text in instructions.items():
+        _check_instruction(name, key, text)
+    taskkinds.check_phrases(list(instructions.values()), phrases(), f"workflow {name!r}")
     for p in params:
         _check_param(name, p)
     fixed = tuple(slots) if not callable(slots) else None
     WORKFLOWS[name], ROLES[name], PARAMS[name] = fn, tuple(roles), tuple(params)
     SLOTS[name] = slots if fixed is None else (lambda **_: fixed)
+    ROLE_KINDS.update(resolved)
     ROLE_INSTRUCTIONS.update(instructions)
+
+
+def _kind_of(workflow: str, role: str, kind: str | None) -> str:
+    """The kind of `role`: the one it has (ROLE_KINDS is every workflow's, so no other), else
+    the one declared."""
+    have = ROLE_KINDS.get(role)
+    if have is not None and kind not in (None, have):
+        raise ValueError(f"workflow {workflow!r}: role {role!r} is {have} in every workflow, not {kind}; "
+                         f"a role of another kind needs a new name")
+    if (have or kind) not in KINDS:
+        raise ValueError(f"workflow {workflow!r}: role {role!r} needs a kind, one of {KINDS}")
+    return have or kind
+
+
+def _check_instruction(workflow: str, key, text) -> None:
+    """One of register's instructions: keyed (role, task), and no other text for a (role, task)
+    that already has an instruction of its own (a task kind's, or another registration's)."""
+    if not (isinstance(key, tuple) and len(key) == 2):
+        raise ValueError(f"workflow {workflow!r}: instructions are {{(role, task): text}}, got the key {key!r}")
+    role, task = key
+    own = _own_instruction(role, task)
+    if own is not None and own != text:
+        raise ValueError(f"workflow {workflow!r}: the {role} on {task} already has the instruction "
+                         f"{taskkinds.shortened(own)}, which every workflow's {role} reads; a prompt of its own "
+                         f"needs a new role name (e.g. {workflow}_{role}, with its kind)")
 
 
 def _check_param(workflow: str, p: Param) -> None:
@@ -503,11 +577,9 @@ register("orch_workers", orch_workers, ("orchestrator", "worker", "synthesizer")
 
 def run_workflow(name: str, episodes: list[Episode], llm: LLM, task: str, **params) -> None:
     """Run workflow `name` on the batch in place, with its parameters' values (PARAMS: voting
-    n_voters=3, eval_opt max_rounds=None, orch_workers max_strategies=3); then check that every
-    call is in a role and slot its registration lists."""
-    if name not in WORKFLOWS:
-        raise ValueError(f"unknown workflow {name!r}; choose one of {sorted(WORKFLOWS)}")
-    taskkinds.get(task)
+    n_voters=3, eval_opt max_rounds=None, orch_workers max_strategies=3), once its prompts pass
+    `check_instructions`; then check that every call is in a role and slot its registration lists."""
+    check_instructions(name, task)    # also: an unknown workflow or task
     WORKFLOWS[name](episodes, llm, task, **params)
     roles, slots = set(ROLES[name]), set(slots_of(name, **params))
     for call in (c for ep in episodes for c in ep.calls):

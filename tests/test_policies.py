@@ -60,21 +60,6 @@ def test_shared_every_role_reaches_the_one_adapter():
     assert all(p.grad is None for p in m.parameters())
 
 
-def test_per_row_adapters_equal_separate_batches():
-    m = tiny_qwen3()
-    pol = policies.Policy(m, None, ROLES, "isolated", rank=4, alpha=8)
-    for n in pol.names:
-        randomise(pol, n)
-    with torch.no_grad():
-        with pol.using(["generator", "aggregator"]) as mod:
-            mixed = mod(IDS).logits
-        with pol.using("generator") as mod:
-            a = mod(IDS[:1]).logits
-        with pol.using("aggregator") as mod:
-            b = mod(IDS[1:]).logits
-    assert torch.allclose(mixed, torch.cat([a, b]), atol=1e-5)
-
-
 def test_save_load_roundtrip_in_peft_layout(tmp_path):
     from safetensors.torch import load_file
     m = tiny_qwen3()

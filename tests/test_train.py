@@ -139,13 +139,13 @@ def test_ctrl_c_then_resume_equals_an_uninterrupted_run(model_dir, tmp_path, mon
 def test_a_run_in_a_kv_budget_of_three_rows_equals_one_with_every_row_in_flight(model_dir, tmp_path, monkeypatch):
     # a row's draws are keyed by (seed, step, problem, rollout, call, position), so the cache
     # rows a small budget gives change nothing: the longest call fits 3 rows at a time
-    import rollout
-    real, calls = rollout._row_count, []
+    import engine
+    real, calls = engine._row_count, []
 
     def row_count(rows, need, bytes_per_token, kv_budget, max_rows):
         calls.append((rows, need, real(rows, need, bytes_per_token, kv_budget, max_rows)))
         return calls[-1][2]
-    monkeypatch.setattr(rollout, "_row_count", row_count)
+    monkeypatch.setattr(engine, "_row_count", row_count)
     flags = ["--workflow", "voting", "--sharing", "isolated", "--samples-every", "1"]
     train.main(argv(model_dir, tmp_path / "all", *flags, steps=2))
     need = max(n for _, n, _ in calls)
@@ -432,41 +432,6 @@ def test_coherence_damp_resumes_exactly(model_dir, tmp_path, monkeypatch):
     assert metrics == comparable(read_jsonl(full / "metrics.jsonl"))
     assert any("damp_scale" in m["roles"]["generator"] for m in metrics)
     assert "damp" in torch.load(cut / "ckpt-last" / "state.pt", weights_only=False)
-
-
-# ----------------------------------------------------------------------------- forking
-
-def best_of_2(episodes, llm, task):
-    """A fifth workflow for the test: two generators, then a judge picks one (\\boxed{k})."""
-    gens = workflows.stage(llm, "generator", ["generator0", "generator1"] * len(episodes),
-                           [workflows.generator_messages(ep.problem, task) for ep in episodes for _ in range(2)],
-                           [ep for ep in episodes for _ in range(2)])
-    for i, ep in enumerate(episodes):
-        ep.calls += gens[2 * i:2 * i + 2]
-    msgs = [[{"role": "system", "content": workflows.instruction("judge", task)},
-             {"role": "user", "content": "\n".join([ep.problem["prompt"], gens[2 * i].text, gens[2 * i + 1].text])}]
-            for i, ep in enumerate(episodes)]
-    for i, (ep, judge) in enumerate(zip(episodes, workflows.stage(llm, "judge", ["judge"] * len(episodes), msgs,
-                                                                  episodes))):
-        ep.calls.append(judge)
-        k, fallback = workflows.parse_choice(judge.text, 2)
-        ep.fallbacks["judge"] = int(fallback)
-        ep.final_text = gens[2 * i + k - 1].text
-
-
-def test_a_workflow_registered_in_workflows_py_alone_trains(model_dir, tmp_path, registries):
-    workflows.register("best_of_2", best_of_2, ("generator", "judge"), ("generator0", "generator1", "judge"),
-                       kinds={"judge": "supervisory"},
-                       instructions={("judge", t): "Pick the better solution; answer \\boxed{1} or \\boxed{2}."
-                                     for t in ("math", "code")})
-    out = tmp_path / "run"
-    train.main(argv(model_dir, out, "--workflow", "best_of_2", "--sharing", "isolated", steps=1))
-    m = read_jsonl(out / "metrics.jsonl")[0]
-    assert set(m["roles"]) == {"generator", "judge"} and set(m["adapters"]) == {"generator", "judge"}
-    assert set(m["slots"]) == {"generator0", "generator1", "judge"}
-    import eval as ev
-    s = ev.analyse([str(out)], plots=False)[0]
-    assert s["workflow"] == "best_of_2" and s["base_acc"] is not None
 
 
 def test_the_simple_sampler_runs_the_same_training_as_the_fast_one(model_dir, tmp_path, monkeypatch):

@@ -103,15 +103,64 @@ def test_phrases_are_distinct_single_line_and_none_inside_another():
     assert len(set(W.phrases())) == len(W.phrases())
     for p in W.phrases():
         assert p and "\n" not in p and p == p.strip()
-        assert p.count(". ") <= 1, f"instruction longer than two sentences: {p!r}"
         for q in W.phrases():
             assert p == q or p not in q, f"{p!r} inside {q!r}: a whole-phrase tokenizer would split it"
+    for p in W.phrases(kinds=TASKS, registered=False):   # the house's own prompts are short; a fork's may be longer
+        assert p.count(". ") <= 1, f"instruction longer than two sentences: {p!r}"
     # every string constant of the module that ends up in prompts is listed
     consts = [v for m in (W, K) for k, v in vars(m).items() if k.isupper() and isinstance(v, str)]
     assert consts and all(c in W.phrases() for c in consts)
     for kind in K.TASK_KINDS.values():
         assert {*kind.instructions.values(), kind.revision(), kind.default} <= set(W.phrases())
     assert {"Solution 1:", "Solution 2:", "Solution 3:"} <= set(W.phrases())
+
+
+def test_registration_refuses_text_that_breaks_the_phrase_rules_in_one_line(registries):
+    """taskkinds.check_phrases, applied by register and register_task: one line, and no fixed
+    prompt string inside another, unless equal (a shared phrase); nothing is registered."""
+    pick = lambda text: dict(instructions={("picker", "math"): text}, kinds={"picker": "supervisory"})  # noqa: E731
+    cases = [(pick("Read the Problem: then pick one."), "'Problem:' is inside 'Read the Problem: then pick one.'"),
+             (pick("Solve the math problem step by step."), "'Solve the math problem step by step.' is inside "
+                                                             "'Solve the math problem step by step. Put..."),
+             (pick("Pick one.\nThen stop."), "an instruction is one non-empty line with no spaces around it"),
+             (pick(" Pick one."), "an instruction is one non-empty line")]
+    for given, message in cases:
+        with pytest.raises(ValueError) as e:
+            W.register("picky", W.single, ("generator", "picker"), ("generator", "picker"), **given)
+        assert str(e.value).startswith("workflow 'picky': ") and message in str(e.value) and "\n" not in str(e.value)
+        assert "picky" not in W.WORKFLOWS and "picker" not in W.ROLE_KINDS
+    W.register("picky", W.single, ("generator", "picker"), ("generator", "picker"), **pick(K.AGGREGATOR_MATH))
+    assert W.instruction("picker", "math") == K.AGGREGATOR_MATH       # equal to a phrase: shared, fine
+    with pytest.raises(ValueError, match=r"^task kind 'yes_no': the fixed prompt string 'Solve the math problem step "
+                                         r"by step.' is inside 'Solve the math problem step by step. Put\.\.\.'"):
+        K.register_task("yes_no", lambda text, problem: 0.0, default="Answer yes or no.", check=lambda record: None,
+                        instructions={"generator": "Solve the math problem step by step."})
+    with pytest.raises(ValueError, match="^task kind 'yes_no': the fixed prompt string 'Answer yes' is inside "
+                                         "'Answer yes or no.'; no phrase may hold another"):   # within the kind too
+        K.register_task("yes_no", lambda text, problem: 0.0, instructions={"generator": "Answer yes"},
+                        default="Answer yes or no.", check=lambda record: None)
+    assert "yes_no" not in K.TASK_KINDS
+
+
+def test_an_instruction_of_a_role_on_a_task_is_never_silently_replaced(registries):
+    """ROLE_INSTRUCTIONS is keyed by (role, task), so a workflow's instruction is that role's in
+    every workflow: another text for a (role, task) that has one is refused; the same again is fine."""
+    with pytest.raises(ValueError) as e:
+        W.register("loud", W.voting, ("generator", "aggregator"), ("generator0", "aggregator"),
+                   instructions={("aggregator", "math"): "Pick the best solution as \\boxed{k}."})
+    assert str(e.value) == ("workflow 'loud': the aggregator on math already has the instruction 'Compare the "
+                            "numbered solutions and pick...', which every workflow's aggregator reads; a prompt of "
+                            "its own needs a new role name (e.g. loud_aggregator, with its kind)")
+    assert "loud" not in W.WORKFLOWS and W.instruction("aggregator", "math") == K.AGGREGATOR_MATH
+    judge = {("judge", "math"): "Name the better solution as \\boxed{1} or \\boxed{2}."}
+    for name in ("first", "first", "second"):      # a re-import, and another workflow, with the same text
+        W.register(name, W.single, ("generator", "judge"), ("generator",), kinds={"judge": "supervisory"},
+                   instructions=judge)
+    with pytest.raises(ValueError, match="^workflow 'third': the judge on math already has the instruction 'Name the "):
+        W.register("third", W.single, ("generator", "judge"), ("generator",), instructions={("judge", "math"): "Pick."})
+    with pytest.raises(ValueError, match="^workflow 'fourth': role 'judge' is supervisory in every workflow, not "
+                                         "solution; a role of another kind needs a new name$"):
+        W.register("fourth", W.single, ("generator", "judge"), ("generator",), kinds={"judge": "solution"})
 
 
 def test_code_and_math_instructions_ask_for_their_answer_format():
