@@ -75,6 +75,13 @@ def _check_length(cfg: dict) -> str:
     return f"{cfg.get('workflow')}, L={cfg.get('toy_check') or 0}"
 
 
+def _credit_arm(cfg: dict) -> str:
+    """Credit's arm: the number of voters and what a voter is paid (N=1: its own answer is the
+    graded one either way)."""
+    n = cfg.get("n_voters") or 3
+    return "N=1" if n == 1 else f"N={n}, {cfg.get('credit') or 'final'}"
+
+
 def _damping_arm(cfg: dict) -> str:
     arm = "placebo" if cfg.get("damp_placebo") else "damping" if cfg.get("coherence_damp") else "none"
     return f"{cfg.get('workflow')}, {arm}"
@@ -91,6 +98,7 @@ class Study:
     runs: str = ""                                # how the runs were made (the page shows it)
     panel: tuple = ()                             # the figure's mechanism: (key, roles, label), the first role a run has
     model_by: str = ""                            # the config key whose value selects the toy model (a knob of the study)
+    crossed: bool = False                         # model_by is a factor crossed with the arms: a run is (model, seed)
     mechanisms: list = field(default_factory=lambda: ["displacement", "len", "parse_fail"])
     measures: tuple = ("final_acc",)              # what the contrasts compare (MEASURES)
     paired: bool = False                          # a seed's arms share model, problems, step 0: pair by seed
@@ -129,6 +137,19 @@ STUDIES = {
         measures=("final_acc", "gain", "drop"),
         runs="python sweep.py --jobs 1 --tasks math --workflows voting eval_opt --sharings shared --lrs 2e-3 "
              "--seeds S --axis toy-check=0,8,24 -- --steps 60 --eval-every 10 --eval-problems 256"),
+    "credit": Study(
+        "Credit: Voting / Isolated, math, lr 2e-3, what a voter is paid (the final grade or its own), "
+        "on three toy models",
+        _credit_arm, ["N=1", "N=2, final", "N=2, own", "N=8, final", "N=8, own"],
+        [("N=2, own", "N=2, final"), ("N=8, own", "N=8, final"), ("N=8, own", "N=1"), ("N=2, final", "N=1"),
+         ("N=8, final", "N=1")],
+        roles=("generator", "aggregator"), mechanisms=["displacement", "paid_apart"],
+        panel=("displacement", ("generator",), "generator adapter's ‖Δθ‖ / step"),
+        paired=True, model_by="toy_seed", crossed=True,
+        runs="python sweep.py --jobs 1 --tasks math --workflows voting --sharings isolated --lrs 2e-3 --seeds S "
+             "--axis n-voters=8,2 --axis credit=final,own --axis toy-seed=M -- --steps 60 --eval-every 10 "
+             "--eval-problems 256 (and --axis n-voters=1); M = 0 (the shipped model) with S = 0, 1, 2, "
+             "M = 1 and 2 (toy_models/math-seed1, -seed2) with S = 0, 1: results/lab.sh parts D and E"),
     "damping": Study(
         "Coherence damping against its placebo and against nothing: Isolated, math, lr 2e-3",
         _damping_arm,
@@ -144,6 +165,16 @@ STUDIES = {
 
 
 # ----------------------------------------------------------------------------- keeping runs
+
+def shipped_models() -> dict:
+    """{sha256 of model.safetensors: name} of the toy models the repository ships (toy_models/,
+    toy.py), read from their manifest: a study on another toy model says so on the page."""
+    path = os.path.join(HERE, "toy_models", "MANIFEST.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return {e["files"]["model.safetensors"]: name for name, e in json.load(f).items()}
+
 
 def origin(cfg: dict, study: str | None = None) -> tuple:
     """(commit, dirty, model_sha256), and for a study whose toy model is one of its knobs
@@ -273,20 +304,37 @@ def _mechanism(run: dict, s: dict, key: str, role: str):
         return _per_step(run, role, "move_cos")
     if key == "damp_scale":
         return m.get("damp_scale", {}).get(role)
+    if key == "paid_apart":
+        return _per_step(run, role, "paid_apart")
     raise KeyError(key)
 
 
+def unit(st: Study, run: dict, s: dict):
+    """What one run of an arm stands for: its seed, or (model, seed) where the toy model is a
+    factor crossed with the arms (Study.crossed)."""
+    return (run["config"].get(st.model_by) or 0, s["seed"]) if st.crossed else s["seed"]
+
+
 def arms(study: str, folders: list | None = None) -> dict:
-    """{arm: [(run, summary)]} of a study's kept runs (or of `folders`), one run per seed."""
+    """{arm: [(run, summary)]} of a study's kept runs (or of `folders`), one run per unit."""
     st = STUDIES[study]
     out = {}
     for folder in kept_runs(study) if folders is None else folders:
         run = analysis.load_run(folder, quiet=True)
         s = analysis.analyse_run(folder, run=run)
         group = out.setdefault(st.arm(run["config"]), [])
-        if s["seed"] not in [x["seed"] for _, x in group]:
+        if unit(st, run, s) not in [unit(st, r, x) for r, x in group]:
             group.append((run, s))
     return out
+
+
+def by_model(study: str, groups: dict) -> dict:
+    """{model: {arm: [(run, summary)]}}: a crossed study's arms split by toy model."""
+    st, out = STUDIES[study], {}
+    for name, runs in groups.items():
+        for run, s in runs:
+            out.setdefault(unit(st, run, s)[0], {}).setdefault(name, []).append((run, s))
+    return dict(sorted(out.items()))
 
 
 def run_measures(s: dict) -> dict:
@@ -299,8 +347,8 @@ def run_measures(s: dict) -> dict:
 
 def arm_row(st: Study, name: str, runs: list) -> dict:
     """An arm's numbers: accuracy stats in points, cliffs, per role the mechanism means."""
-    row = {"arm": name, "seeds": sorted(s["seed"] for _, s in runs), "cliffs": sum(bool(s["cliff"]) for _, s in runs)}
-    row["by_seed"] = {s["seed"]: run_measures(s) for _, s in runs}
+    row = {"arm": name, "seeds": sorted(unit(st, run, s) for run, s in runs), "cliffs": sum(bool(s["cliff"]) for _, s in runs)}
+    row["by_seed"] = {unit(st, run, s): run_measures(s) for run, s in runs}
     for m in ("base_acc", "peak_acc", "final_acc", "gain", "drop"):
         row[m] = _mean_se([row["by_seed"][k][m] for k in row["seeds"]])
     for key in st.mechanisms:
@@ -359,14 +407,47 @@ def table(study: str, rows: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in [a for a in st.order if a in rows] + sorted(set(rows) - set(st.order)):
         row = rows[name]
-        cells = [name, ",".join(map(str, row["seeds"])), _pm(row["base_acc"]), _pm(row["peak_acc"]), _pm(row["final_acc"])] \
+        cells = [name, _seeds_cell(row["seeds"]), _pm(row["base_acc"]), _pm(row["peak_acc"]), _pm(row["final_acc"])] \
             + [_pm(row["gain"])] * gain + [_pm(row["drop"]), f"{row['cliffs']}/{len(row['seeds'])}"] \
             + [_num(row[f"{k}:{r}"]) for k, r in mech]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def contrast_lines(study: str, rows: dict) -> list:
+def _seeds_cell(units: list) -> str:
+    """0,1,2; or, for (model, seed) units, each model's seeds: m0: 0,1,2; m1: 0,1."""
+    if not units or not isinstance(units[0], tuple):
+        return ",".join(map(str, units))
+    models = dict.fromkeys(m for m, _ in units)
+    return "; ".join(f"m{m}: " + ",".join(str(s) for n, s in units if n == m) for m in models)
+
+
+def model_lines(study: str, groups: dict, a: str, b: str, measure: str) -> list:
+    """A crossed study's contrast model by model (paired by seed where it can be), then across
+    models: the mean of the per-model effects ± its standard error over the models, and whether
+    every model's effect has the sign of that mean."""
+    st, per = STUDIES[study], []
+    for m, g in by_model(study, groups).items():
+        rows = {name: arm_row(st, name, runs) for name, runs in g.items()}
+        c = contrast(rows, a, b, measure)
+        if c is None:
+            continue
+        p = paired_contrast(rows, a, b, measure)
+        d, e = (p[0], p[1]) if p else (c[0], c[1])
+        per.append((m, d, e, "paired" if p else "unpaired", min(c[2], c[3])))
+    if not per:
+        return []
+    cells = "; ".join(f"m{m} {d:+.1f} ± {'?' if e is None else f'{e:.1f}'} ({k}, {n} seeds)" for m, d, e, k, n in per)
+    out = [f"  - per toy model: {cells}"]
+    if len(per) > 1:
+        mean, se = _mean_se([d for _, d, _, _, _ in per])
+        same = all((d > 0) == (mean > 0) and d != 0 for _, d, _, _, _ in per)
+        out.append(f"  - across toy models: {mean:+.1f} ± {se:.1f} points (mean ± standard error of the {len(per)} "
+                   f"per-model effects); the sign {'held' if same else 'did not hold'} on every model")
+    return out
+
+
+def contrast_lines(study: str, rows: dict, groups: dict | None = None) -> list:
     out = []
     for a, b in STUDIES[study].contrasts:
         for measure in STUDIES[study].measures:
@@ -380,6 +461,8 @@ def contrast_lines(study: str, rows: dict) -> list:
             if p is not None:
                 out.append(f"  - paired by seed: {p[0]:+.1f} ± {p[1]:.1f} points (mean ± standard error of the "
                            f"per-seed differences; {p[2]} seeds)")
+            if STUDIES[study].crossed and groups:
+                out += model_lines(study, groups, a, b, measure)
     return out
 
 
@@ -392,8 +475,10 @@ def report_text(study: str) -> str:
     rows = {name: arm_row(st, name, runs) for name, runs in groups.items()}
     origins = sorted({origin(run["config"], study) for runs in groups.values() for run, _ in runs}, key=str)
     by = f" ({st.model_by} {{}})" if st.model_by else ""
+    shipped = shipped_models()
     code = "; ".join(f"commit {(o[0] or '?')[:7]}{' (dirty)' if o[1] else ''} and toy model {(o[2] or '?')[:12]}"
-                     + by.format(*o[3:]) for o in origins)
+                     + by.format(*o[3:]) + (f", shipped as toy_models/{shipped[o[2]]}" if o[2] in shipped else
+                                            ", not shipped") for o in origins)
     n = sum(len(r) for r in groups.values())
     parts = [f"{n} run{'s' if n > 1 else ''} in results/{study}/, from {code}. "
              "Accuracy in %, mean ± standard error over seeds; mechanisms: means over seeds "
@@ -402,7 +487,7 @@ def report_text(study: str) -> str:
              + ("; move_cos: cosine between the role's descent direction and the shared adapter's "
                 "move, whose displacement is shown once, under the first role" if "move_cos" in st.mechanisms else "")
              + ").",
-             "", table(study, rows), "", *contrast_lines(study, rows)]
+             "", table(study, rows), "", *contrast_lines(study, rows, groups)]
     return "\n".join(parts).rstrip()
 
 

@@ -4,8 +4,10 @@ It lets the whole method (every workflow, both sharing modes, the gradient diagn
 learn on a laptop CPU through exactly the code path of the real models:
 
 - Tokenizer: one token per character (digits always single tokens), plus one token for every
-  fixed prompt phrase of workflows.phrases() and a few output words (`\\boxed{`, the verdicts,
-  the python fence), so a prompt costs its variable text plus a handful of tokens. Saved in
+  fixed prompt phrase of the built-in math and code kinds (`phrases()`, the toy's own list: a
+  fork's registered text is spelled in characters and changes nothing here) and a few output
+  words (`\\boxed{`, the verdicts, the python fence), so a prompt costs its variable text plus a
+  handful of tokens. Saved in
   Hugging Face format with a Qwen-style chat template; `<|im_end|>` and `<|endoftext|>` both
   stop generation, as in Qwen3.
 - Model: `Qwen3ForCausalLM` from a config (hidden 128, 4 layers, 4 heads / 2 kv heads,
@@ -28,11 +30,17 @@ learn on a laptop CPU through exactly the code path of the real models:
   valid STRATEGY lines. With `check` L (train.py --toy-check), the supervisors write L tokens
   of check before their verdict (the candidates' answers, repeated): a knob of their share of
   each step's gradient. Transcripts are packed into rows (a block-diagonal mask keeps them
-  apart), so no compute goes to padding. The result is cached on disk under `.cache/toy/`
-  keyed by every setting, and built on first use with a progress bar (a few minutes on 2 CPU
-  cores); concurrent processes build it once (a file lock).
+  apart), so no compute goes to padding. A model's settings are a key (`_key`: every constant,
+  the vocabulary and a fingerprint of the transcripts).
+- Shipped models (`toy_models/`, with MANIFEST.json: each one's settings, key, files' sha256
+  and the command that built it): the default math and code models, and math from warm-start
+  seeds 1 and 2 (train.py --toy-seed). `model_folder` returns the shipped model whose key is the
+  settings', after checking every file against the manifest (a damaged or edited one is refused
+  in one line); other settings are built on first use into `$MARL_CACHE/toy/` with a progress
+  bar (a few minutes on one thread), once however many processes ask (a file lock).
 
-Run `python toy.py --task math` to build it (or rebuild with --force) and print its folder.
+Run `python toy.py --task math` to print the model's folder (building it if it is neither shipped
+nor cached), `--force` to rebuild it into the cache, `--ship` to rebuild it into toy_models/.
 """
 import argparse
 import contextlib
@@ -415,7 +423,8 @@ def check_shipped(name: str) -> str:
     shown = f"toy_models/{name}"
     for file, want in entry["files"].items():
         if have.get(file) != want:
-            what = "is missing" if file not in have else f"is not the shipped file (sha256 {have[file][:12]}, the manifest's {want[:12]})"
+            what = ("is missing" if file not in have else
+                    f"is not the shipped file (sha256 {have[file][:12]}, the manifest's {want[:12]})")
             raise ValueError(f"toy model {shown}/{file} {what}: restore it with `git checkout -- {shown}` or rebuild "
                              f"it with `{ship_command(entry)}`")
     return folder

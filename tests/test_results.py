@@ -119,8 +119,8 @@ def test_capture_keeps_one_toy_model_per_check_length(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="differ from the study's runs"):
         studies.keep("capture", run("l24-s2", 2, 24, "d"))
     assert kept_dirs(tmp_path, "capture") == ["runs/l0-s0", "runs/l24-s0", "runs/l24-s1"]
-    assert ("from commit aaaaaaa and toy model bbbbbbbbbbbb (toy_check 0); commit aaaaaaa and toy model "
-            "cccccccccccc (toy_check 24)") in studies.report_text("capture")
+    assert ("from commit aaaaaaa and toy model bbbbbbbbbbbb (toy_check 0), not shipped; commit aaaaaaa and toy "
+            "model cccccccccccc (toy_check 24), not shipped") in studies.report_text("capture")
 
 
 def test_capture_contrasts_the_gain_and_the_drop_where_toy_models_start_apart(tmp_path, monkeypatch):
@@ -215,3 +215,31 @@ def test_under_shared_the_one_adapters_move_is_given_once_and_move_cos_per_role(
     assert studies._mechanism(run, S, "move_cos", "evaluator") == pytest.approx(0.1)  # steps with no gradient skip
     run["config"]["sharing"] = "isolated"                                               # each role its own adapter
     assert studies._mechanism(run, S, "displacement", "evaluator") == pytest.approx(0.3)
+
+
+def test_credit_crosses_the_toy_model_with_the_arms_and_gives_each_contrast_per_model_and_across(tmp_path, monkeypatch):
+    """A run of credit is a (toy model, seed): seed 0 on two models is two runs of one arm; each
+    contrast is given pooled, per model (paired by seed) and across models (the mean of the
+    per-model effects and its standard error), with whether its sign held on every model."""
+    monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
+    shipped = next(iter(studies.shipped_models()))                     # model 0 is a shipped one
+    finals = {(0, 0): (0.40, 0.50), (0, 1): (0.44, 0.50), (1, 0): (0.30, 0.36), (1, 1): (0.34, 0.36)}
+    for (model, seed), (final_own, final_final) in finals.items():
+        for credit, final in (("own", final_own), ("final", final_final)):
+            folder = finished(tmp_path / "runs", f"c{credit}-m{model}-s{seed}", seed, [0.5, 0.6, final], n_voters=2,
+                              credit=credit, toy_seed=model,
+                              provenance={**ORIGIN, "model_sha256": shipped if model == 0 else "e" * 64})
+            studies.keep("credit", folder)
+    text = studies.report_text("credit")
+    assert text.startswith("8 runs in results/credit/, from commit aaaaaaa and toy model ")
+    assert f"toy model {shipped[:12]} (toy_seed 0), shipped as toy_models/" in text
+    assert "toy model eeeeeeeeeeee (toy_seed 1), not shipped" in text
+    assert "| N=2, own | m0: 0,1; m1: 0,1 |" in text
+    lines = text.splitlines()
+    at = lines.index(next(x for x in lines if x.startswith("- final accuracy, N=2, own minus N=2, final:")))
+    assert "-6.0 ± 5.1 points" in lines[at] and "4 and 4 seeds" in lines[at]   # 37 ± 3.1 against 43 ± 4.0
+    assert lines[at + 1].strip().startswith("- paired by seed: -6.0 ± 1.6 points")   # -10, -6, -6, -2
+    assert lines[at + 2].strip() == "- per toy model: m0 -8.0 ± 2.0 (paired, 2 seeds); m1 -4.0 ± 2.0 (paired, 2 seeds)"
+    assert lines[at + 3].strip() == ("- across toy models: -6.0 ± 2.0 points (mean ± standard error of the 2 per-model "
+                                     "effects); the sign held on every model")
+

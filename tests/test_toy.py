@@ -695,3 +695,27 @@ def test_a_forks_registrations_leave_the_toy_world_as_it_was(registries):
     assert (({t: toy._key(t, toy.WARM) for t in TASKS}, tok.get_vocab(), {t: toy.model_folder(t) for t in TASKS})
             == before)
     assert len(_ids(tok, judge)) == len(judge) - judge.count("\\boxed{") * (len("\\boxed{") - 1)
+
+
+def test_a_forks_registrations_leave_a_default_toy_runs_samples_as_they_were(registries, tmp_path):
+    """Two steps of the default run (Voting on the shipped math model), before and after a fork
+    registers a workflow with an instruction of its own and a task kind: the same model, the
+    same transcripts and rewards, token for token."""
+    import train
+
+    def run(name):
+        out = tmp_path / name
+        train.main(["--steps", "2", "--eval-problems", "8", "--problems-per-step", "2", "--group-size", "2",
+                    "--samples-every", "1", "--quiet", "--out", str(out)])
+        with open(out / "config.json") as f:
+            sha = json.load(f)["provenance"]["model_sha256"]
+        return sha, (out / "samples.jsonl").read_text(), (out / "eval.jsonl").read_text()
+    before = run("before")
+    wf.register("pair_judge", lambda episodes, llm, task: None, roles=("generator", "judge"),
+                slots=("generator0", "generator1", "judge"), kinds={"judge": "supervisory"},
+                instructions={("judge", "math"): "Name the better of the two answers as \\boxed{1} or \\boxed{2}."})
+    taskkinds.register_task("parity_run", lambda text, problem: 0.0, instructions={"generator": "Say odd or even."},
+                            default="Answer in one word.", check=lambda record: None)
+    after = run("after")
+    assert before[0] == toy.manifest()["math"]["files"]["model.safetensors"]
+    assert after == before and before[1].strip()
