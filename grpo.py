@@ -534,7 +534,8 @@ def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, red
     plan = {name: optimizer_batches(adapter_rows(policy, samples, name, shuffle), hp.mini_batch) for name in names}
     # the old logprobs: recomputed now for the rows after each adapter's first mini-batch; the
     # first mini-batch's own forward gives its rows theirs (micro_loss), before the first step
-    old = old_logprobs(policy, samples, [i for mbs in plan.values() for mb in mbs[1:] for i in mb if runs[i]], hp)
+    later = sorted(i for mbs in plan.values() for mb in mbs[1:] for i in mb if runs[i])   # in the samples' order
+    old = old_logprobs(policy, samples, later, hp)
     base = base_logprobs(policy, samples, [i for i, s in enumerate(samples) if runs[i] and hp.kl(s.role)], hp)
     probe.begin(samples, runs)
     probe.old_logprobs(old)
