@@ -81,6 +81,5 @@ def test_a_training_run_with_evaluations_loads_no_lab_module(model_dir, tmp_path
 
 
 def test_the_sampler_concept_does_not_import_its_engine():
-    code = "import sys, rollout; print('engine' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+    """rollout.py takes its sampler as an argument; the engine imports the concept, not the reverse."""
+    assert "engine" not in imports_of("rollout") and "rollout" in imports_of("engine")
