@@ -139,8 +139,8 @@ def count_ops_and_syncs(fn):
 
 
 def as_on_cuda(eng):
-    """Cut the decode attention into row groups as on CUDA (counts then match a GPU's)."""
-    for name in ("GROUP_ROWS", "WIDTH_BUCKET"):
+    """Row groups, widths, the stop check and the call cost as on CUDA (counts then match a GPU's)."""
+    for name in ("GROUP_ROWS", "WIDTH_BUCKET", "STOP_EVERY", "ATTN_CALL"):
         if isinstance(getattr(eng, name, None), dict):
             getattr(eng, name)["cpu"] = getattr(eng, name)["cuda"]
 
