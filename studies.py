@@ -437,7 +437,8 @@ def model_lines(study: str, groups: dict, a: str, b: str, measure: str) -> list:
         per.append((m, d, e, "paired" if p else "unpaired", min(c[2], c[3])))
     if not per:
         return []
-    cells = "; ".join(f"m{m} {d:+.1f} ± {'?' if e is None else f'{e:.1f}'} ({k}, {n} seeds)" for m, d, e, k, n in per)
+    cells = "; ".join(f"m{m} {d:+.1f} ± {'?' if e is None else f'{e:.1f}'} ({k}, {n} seed{'s' * (n != 1)})"
+                      for m, d, e, k, n in per)
     out = [f"  - per toy model: {cells}"]
     if len(per) > 1:
         mean, se = _mean_se([d for _, d, _, _, _ in per])
