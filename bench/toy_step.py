@@ -5,6 +5,7 @@ grading and the update with its pieces.
     python bench/toy_step.py --repo ../other    # another checkout of the project, the same way
     python bench/toy_step.py --full-run         # also `python train.py` from a fresh cache, whole
     python bench/toy_step.py --repo ../other --cache .cache   # a toy model built there before: no warm start
+    python bench/toy_step.py --compare ../other --cache .cache --rounds 3   # two checkouts in turns, the ratios
 
 Everything runs as that checkout's own commands, so any version of the project can be measured
 and compared on one machine one after the other:
@@ -110,14 +111,28 @@ def main():
     ap.add_argument("--full-run", action="store_true", help="also time `python train.py` from a fresh cache (minutes)")
     ap.add_argument("--cache", default=None, help="the MARL_CACHE to use (default: a fresh one): a toy model already "
                     "built there is loaded, not warm-started, so the warm start's time is then only the lookup")
+    ap.add_argument("--compare", default=None, metavar="CHECKOUT", help="also measure this other checkout, the two "
+                    "taking turns --rounds times, and print the ratios of their median rollout, update and step times")
+    ap.add_argument("--rounds", type=int, default=2, help="with --compare: turns each (default: %(default)s)")
     args = ap.parse_args()
     if args.steps < 2:
         ap.error("--steps must be at least 2 (the first step is left out)")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.repo, capture_output=True,
-                            text=True).stdout.strip() or "?"
-    print(f"checkout {args.repo} ({commit}), {os.cpu_count()} cores, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}")
-    for key, value in measure(args.repo, args.steps, args.full_run, args.cache).items():
-        print(f"  {key:<44} {value:.2f}" if isinstance(value, float) else f"  {key:<44} {value}")
+    repos = [args.compare, args.repo] * args.rounds if args.compare else [args.repo]
+    seen = {}
+    for repo in repos:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
+                                text=True).stdout.strip() or "?"
+        print(f"checkout {repo} ({commit}), {os.cpu_count()} cores, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}",
+              flush=True)
+        out = measure(repo, args.steps, args.full_run, args.cache)
+        for key, value in out.items():
+            print(f"  {key:<44} {value:.2f}" if isinstance(value, float) else f"  {key:<44} {value}", flush=True)
+        seen.setdefault(repo, []).append(out)
+    if args.compare:
+        for key in ("rollout (s)", "update (s)", "step (s)"):
+            other, this = (statistics.median(o[key] for o in seen[r]) for r in (args.compare, args.repo))
+            print(f"{key}: {args.compare} {other:.2f}, {args.repo} {this:.2f}: {other / this:.2f}x (medians of "
+                  f"{args.rounds} turns)")
 
 
 if __name__ == "__main__":
