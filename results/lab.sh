@@ -1,6 +1,6 @@
 #!/bin/bash
 # The toy lab's studies (docs/RESULTS.md), one cell at a time on one core, run from a git worktree
-# pinned at the study's commit (A, B, C and L: 40c8d1d; D and E, credit: COMMIT_D):
+# pinned at the study's commit (A, B, C and L: 40c8d1d; D and E, credit: 5f9511d):
 #   git worktree add --detach ../study 40c8d1d && bash results/lab.sh ../study A0
 # With no PART every part runs in order. A PART is a study letter and a seed (A0, B2, C4, L1 for
 # A's lr 1e-3 runs); for credit, D or E, then the toy model's warm-start seed, then the seed (D10:
