@@ -8,7 +8,8 @@ attends every row over the widest one. `generate` keeps what it samples and chan
 - continuous batching: S cache rows, as many as `kv_budget` bytes hold at the call's longest
   row (prompt + max_new_tokens columns), capped by `max_rows`; a row that stops gives its cache
   row to the next waiting prompt. Newcomers are admitted once REFILL_AT (1/16) of the rows are
-  free, together in one prefill through the same cache: a prefill of a few rows costs about a
+  free, together in one prefill through the same cache (in chunks of alike lengths, so a short
+  prompt is not padded to the longest: `_prefill_chunks`): a prefill of a few rows costs about a
   decode step (on a GPU both read every weight once), so refilling one row at a time would add
   a forward to most steps, while waiting for 1/16 keeps the batch at least 15/16 full. Once
   nothing waits, the busy rows are packed into a smaller row bucket as soon as they fit.
@@ -78,10 +79,17 @@ GROUP_ROWS = {"cuda": 32, "cpu": 1}     # rows a row group grows by: on CUDA SDP
                                         # per (row, KV head), and fewer than ~256 leave SMs idle
 WIDTH_BUCKET = {"cuda": 128, "cpu": 1}  # attended widths round up to a multiple: on CUDA a graph each
 # What one more attention call costs, as the K/V elements (row x column x KV head x head dim) that
-# the same time attends. CPU: measured with bench/generate.py --section call (about 45 us a call
-# against 0.4 ns an element, one thread, torch 2.13 on an AMD EPYC). CUDA: stated, not measured:
+# the same time attends. CPU: measured with bench/generate.py --call-cost (13-15 us a bare call
+# against 0.5-0.9 ns an element, 16k-29k elements, one thread, torch 2.13 on an AMD EPYC), set a
+# little above for the slicing and concatenation around the call. CUDA: stated, not measured:
 # a launch inside a graph (~2 us) against reading bf16 K and V at ~4.8 TB/s (an H200).
 ATTN_CALL = {"cpu": 30_000, "cuda": 4_000_000}
+# What one more prefill forward costs, as padded prompt tokens: prompts are prefilled longest
+# first in the chunks that cost least (_prefill_chunks), so short prompts are not padded to the
+# longest. CPU: chosen from bench/generate.py's equal work on the small shape, where 16, 64 and
+# 256 did alike (1.19-1.21x model.generate against 1.12x for one chunk). CUDA: stated, not
+# measured: a forward's launches (~2-5 ms at 28 layers) against ~2 us a 0.6B prompt token.
+PREFILL_CALL = {"cpu": 64, "cuda": 2048}
 
 
 # ----------------------------------------------------------------------------- KV budget
@@ -489,17 +497,12 @@ def _schedule(model, cache, writes, st: _Rows, job: _Job, counts) -> None:
 
 
 def _prefill(model, cache, writes, distinct: list, dst: list, src: list, pad_id: int):
-    """Run the U `distinct` prompts through the model, left-padded, in chunks of at most
-    PREFILL_TOKENS padded tokens (longest first); the K/V of distinct[src[k]] goes into columns
+    """Run the U `distinct` prompts through the model, left-padded, in the chunks of
+    _prefill_chunks (longest first, padded to the chunk's longest); the K/V of distinct[src[k]] goes into columns
     [0, len) of cache row dst[k] (its pad positions to the last column, which no live row
     attends). Return the (U, V) fp32 logits of each prompt's first new token."""
     dev, L = writes.columns.device, len(writes.columns)
-    chunks = [[]]
-    for u in sorted(range(len(distinct)), key=lambda u: -len(distinct[u])):
-        c = chunks[-1]
-        if c and (len(c) + 1) * len(distinct[c[0]]) > PREFILL_TOKENS:
-            chunks.append(c := [])
-        c.append(u)
+    chunks = _prefill_chunks([len(p) for p in distinct], "cuda" if dev.type == "cuda" else "cpu")
     dst, src = np.asarray(dst), np.asarray(src)
     logits = [None] * len(distinct)
     for chunk in chunks:
@@ -514,6 +517,26 @@ def _prefill(model, cache, writes, distinct: list, dst: list, src: list, pad_id:
         for i, u in enumerate(chunk):
             logits[u] = res.logits[i, -1].float()
     return torch.stack(logits)
+
+
+def _prefill_chunks(lens: list, kind: str) -> list:
+    """The prompts (their lengths `lens`) in prefill chunks, lists of indices, longest first:
+    cut where PREFILL_TOKENS padded tokens would be passed, then each part cut again where one
+    more forward (PREFILL_CALL tokens) costs less than the padding it saves (_cheapest, over at
+    most ATTN_GROUPS runs of prompts)."""
+    parts = [[]]
+    for u in sorted(range(len(lens)), key=lambda u: -lens[u]):
+        if parts[-1] and (len(parts[-1]) + 1) * lens[parts[-1][0]] > PREFILL_TOKENS:
+            parts.append([])
+        parts[-1].append(u)
+    chunks = []
+    for part in parts:
+        run = -(-len(part) // ATTN_GROUPS)
+        starts = list(range(0, len(part), run))
+        ends = [min(a + run, len(part)) for a in starts]
+        cuts = _cheapest(starts, ends, [lens[part[a]] for a in starts], PREFILL_CALL[kind])
+        chunks += [part[a:b] for a, b, _ in cuts]
+    return chunks
 
 
 def _first_logits(model, cache, writes, st: _Rows, job: _Job, dest, admitted, counts):

@@ -508,6 +508,32 @@ def test_row_groups_are_the_cheapest_cut_when_a_call_costs_attn_call(monkeypatch
     assert engine._groups(st, length=200, per_column=1)[:3] == ((0, 1, 100), (1, 2, 1), (2, 3, 98))
 
 
+def test_prefill_chunks_are_the_cheapest_cut_within_the_token_cap(monkeypatch):
+    """Prompts longest first, every one in one chunk; a forward costs PREFILL_CALL padded tokens:
+    a cheap one splits where the length falls most, a dear one never; PREFILL_TOKENS still caps
+    a chunk's padded tokens."""
+    lens = [10, 100, 9, 98, 8, 99]                                   # two lengths, shuffled
+    for call, want in ((50, [[1, 5, 3], [0, 2, 4]]),                  # 2 x 50 + 300 + 30 against 600
+                       (1000, [[1, 5, 3, 0, 2, 4]])):                 # one forward of 6 x 100
+        monkeypatch.setitem(engine.PREFILL_CALL, "cpu", call)
+        assert engine._prefill_chunks(lens, "cpu") == want
+    monkeypatch.setattr(engine, "PREFILL_TOKENS", 200)                # at most 2 x 100 padded tokens
+    chunks = engine._prefill_chunks(lens, "cpu")
+    assert sorted(u for c in chunks for u in c) == list(range(6))
+    assert all(len(c) * lens[c[0]] <= 200 or len(c) == 1 for c in chunks)
+    assert all(lens[a] >= lens[b] for c in chunks for a, b in zip(c, c[1:]))
+
+
+def test_prompts_prefilled_in_several_chunks_sample_what_generate_simple_does(monkeypatch):
+    monkeypatch.setitem(engine.PREFILL_CALL, "cpu", 0)               # a forward costs nothing: a chunk a length
+    m = tiny_qwen3(seed=0)
+    keys = [seeds.key("mixed", i) for i in range(len(MIXED))]
+    simple = rollout.generate_simple(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, seed=3, keys=keys)
+    assert len(engine._prefill_chunks([len(p) for p in MIXED], "cpu")) >= 3
+    assert_same_generation(engine.generate(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, seed=3, keys=keys),
+                           simple)
+
+
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 
 
