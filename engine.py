@@ -498,9 +498,9 @@ def _schedule(model, cache, writes, st: _Rows, job: _Job, counts) -> None:
 
 def _prefill(model, cache, writes, distinct: list, dst: list, src: list, pad_id: int):
     """Run the U `distinct` prompts through the model, left-padded, in the chunks of
-    _prefill_chunks (longest first, padded to the chunk's longest); the K/V of distinct[src[k]] goes into columns
-    [0, len) of cache row dst[k] (its pad positions to the last column, which no live row
-    attends). Return the (U, V) fp32 logits of each prompt's first new token."""
+    _prefill_chunks (longest first, each padded to its longest); the K/V of distinct[src[k]]
+    goes into columns [0, len) of cache row dst[k] (its pad positions to the last column, which
+    no live row attends). Return the (U, V) fp32 logits of each prompt's first new token."""
     dev, L = writes.columns.device, len(writes.columns)
     chunks = _prefill_chunks([len(p) for p in distinct], "cuda" if dev.type == "cuda" else "cpu")
     dst, src = np.asarray(dst), np.asarray(src)

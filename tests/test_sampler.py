@@ -513,7 +513,7 @@ def test_prefill_chunks_are_the_cheapest_cut_within_the_token_cap(monkeypatch):
     a cheap one splits where the length falls most, a dear one never; PREFILL_TOKENS still caps
     a chunk's padded tokens."""
     lens = [10, 100, 9, 98, 8, 99]                                   # two lengths, shuffled
-    for call, want in ((50, [[1, 5, 3], [0, 2, 4]]),                  # 2 x 50 + 300 + 30 against 600
+    for call, want in ((50, [[1, 5, 3], [0, 2, 4]]),                  # 2 x 50 + 300 + 30 against 50 + 600
                        (1000, [[1, 5, 3, 0, 2, 4]])):                 # one forward of 6 x 100
         monkeypatch.setitem(engine.PREFILL_CALL, "cpu", call)
         assert engine._prefill_chunks(lens, "cpu") == want
