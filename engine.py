@@ -45,7 +45,8 @@ Invariants, each a test in tests/test_sampler.py (the engine's spec):
    (`test_no_host_sync_inside_a_decode_step_...`), and no K/V copy per query head on any
    transformers version (`test_no_repeat_kv_in_a_decode_step_...`).
 
-The KV budget's helpers (bytes per token, rows that fit, the default budget) sit here too.
+The KV budget's helpers (bytes per token, rows that fit, the default budget) sit here too,
+with `memory_plan`, the line a run prints to say what its memory holds beside the cache.
 Run `python bench/generate.py` for its speed against model.generate and generate_simple.
 """
 import contextlib
@@ -138,6 +139,38 @@ def _row_count(prompts: int, need: int, bytes_per_token: int, kv_budget, max_row
                              f"{need * bytes_per_token:,} B")
         held = min(held, fit)
     return held
+
+
+def memory_plan(policy, kv_budget: int, args) -> str:
+    """One line of memory: weights, trainable weights with AdamW states, the KV budget and the
+    rows it holds at the length limits, and the training micro-batch; a user sees at once
+    whether the run fits. On CUDA it also gives the numbers behind the default budget: the free
+    memory after loading, KV_FRACTION of it for the cache, and what the rest must hold
+    while the cache lives (the AdamW states, made at the first update, and the decode's logits).
+    The cache lives only inside a generate call, so the update has all the free memory. The
+    prompt length is the limit, else the longest prompt expected: an aggregator's three clipped
+    solutions plus ~512 tokens of instruction and problem."""
+    a, p = args, policy
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    weights = sum(t.numel() * t.element_size() for t in p.model.parameters())
+    trainable = sum(t.numel() for n in p.names for t in p.parameters_of(n))
+    cfg, size = p.model.config, next(p.model.parameters()).element_size()
+    per_tok = kv_bytes_per_token(cfg, next(p.model.parameters()).dtype)
+    prompt = a.max_prompt_tokens or 3 * (a.max_embed_tokens or a.max_new_tokens) + 512
+    logits = a.token_budget * cfg.vocab_size * 2 * size        # the logits and their gradient
+    acts = a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size
+    rows = rows_that_fit(kv_budget, per_tok, prompt + a.max_new_tokens)
+    device = next(p.model.parameters()).device
+    why = ""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        share = "--kv-budget-gb" if a.kv_budget_gb else f"{KV_FRACTION:g} of it"
+        why = (f" | free after loading {gib(free)}: KV {share}, beside it AdamW {gib(16 * trainable)} + "
+               f"decode logits {gib(rows * cfg.vocab_size * 4)} = {gib(kv_budget + 16 * trainable + rows * cfg.vocab_size * 4)}")
+    return (f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
+            f"{gib(16 * trainable)} | {kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens)} "
+            f"({per_tok / 1024:.0f} KiB a token){why} | micro-batch {a.token_budget} tokens: logits + grad {gib(logits)}, "
+            f"layer inputs {gib(acts)}{' (checkpointed)' if p.checkpointing else ' + every activation'}")
 
 
 # ----------------------------------------------------------------------------- decode attention

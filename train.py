@@ -86,41 +86,6 @@ def llm_from_flags(policy, args, kv_budget):
                             seed=args.seed, max_embed_tokens=args.max_embed_tokens)
 
 
-def memory_plan(policy, kv_budget: int, args) -> str:
-    """One line of memory: weights, trainable weights with AdamW states, the KV budget and the
-    rows it holds at the length limits, and the training micro-batch; a user sees at once
-    whether the run fits. On CUDA it also gives the numbers behind the default budget: the free
-    memory after loading, engine.KV_FRACTION of it for the cache, and what the rest must hold
-    while the cache lives (the AdamW states, made at the first update, and the decode's logits).
-    The cache lives only inside a generate call, so the update has all the free memory. The
-    prompt length is the limit, else the longest prompt expected: an aggregator's three clipped
-    solutions plus ~512 tokens of instruction and problem."""
-    import torch
-
-    import engine
-    a, p = args, policy
-    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-    weights = sum(t.numel() * t.element_size() for t in p.model.parameters())
-    trainable = sum(t.numel() for n in p.names for t in p.parameters_of(n))
-    cfg, size = p.model.config, next(p.model.parameters()).element_size()
-    per_tok = engine.kv_bytes_per_token(cfg, next(p.model.parameters()).dtype)
-    prompt = a.max_prompt_tokens or 3 * (a.max_embed_tokens or a.max_new_tokens) + 512
-    logits = a.token_budget * cfg.vocab_size * 2 * size        # the logits and their gradient
-    acts = a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size
-    rows = engine.rows_that_fit(kv_budget, per_tok, prompt + a.max_new_tokens)
-    device = next(p.model.parameters()).device
-    why = ""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        share = "--kv-budget-gb" if a.kv_budget_gb else f"{engine.KV_FRACTION:g} of it"
-        why = (f" | free after loading {gib(free)}: KV {share}, beside it AdamW {gib(16 * trainable)} + "
-               f"decode logits {gib(rows * cfg.vocab_size * 4)} = {gib(kv_budget + 16 * trainable + rows * cfg.vocab_size * 4)}")
-    return (f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
-            f"{gib(16 * trainable)} | {engine.kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens)} "
-            f"({per_tok / 1024:.0f} KiB a token){why} | micro-batch {a.token_budget} tokens: logits + grad {gib(logits)}, "
-            f"layer inputs {gib(acts)}{' (checkpointed)' if p.checkpointing else ' + every activation'}")
-
-
 def setup(args, comm=None):
     """Model, policy, data, optimizers, generators and the run folder's files."""
     import torch
@@ -161,10 +126,11 @@ def setup(args, comm=None):
 
 def start_run(args, comm):
     """Set up, print the memory plan, open the run folder, and evaluate step 0 if fresh."""
+    import engine
     try:
         run = setup(args, comm)
         if run.main:
-            print(memory_plan(run.policy, run.kv_budget, args))
+            print(engine.memory_plan(run.policy, run.kv_budget, args))
         runfolder.open_run(run)
     except KeyboardInterrupt:
         print("interrupted while setting up: nothing to save", file=sys.stderr)
