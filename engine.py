@@ -693,6 +693,7 @@ class _Decoder:
         self.model, self.cache, self.writes, self.st = model, cache, writes, st
         self.eager, self.graphs, self.pool = not graphs, {}, None
         self.cache_kw = cache_kwarg(model)
+        self.replays = self.eager_steps = 0
 
     def forward(self, n: int, groups: tuple) -> None:
         d = self.st.dev
@@ -705,6 +706,7 @@ class _Decoder:
 
     def __call__(self, n: int, groups: tuple) -> None:
         if self.eager:
+            self.eager_steps += 1
             return self.forward(n, groups)
         graph = self.graphs.get((n, groups))
         if graph is None:
@@ -713,6 +715,7 @@ class _Decoder:
                 self.graphs[(n, groups)] = graph
             return
         graph.replay()
+        self.replays += 1
 
     def _capture(self, n: int, groups: tuple):
         """Run the step once on a side stream (lazy set-ups happen outside the capture), then
@@ -730,17 +733,26 @@ class _Decoder:
             self.pool = graph.pool()
             return graph
         except Exception as e:  # noqa: BLE001 - any failure: decode eagerly
-            global _GRAPHS_REFUSED
-            if not _GRAPHS_REFUSED:
-                _GRAPHS_REFUSED = True
-                print(f"engine: no CUDA graph ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
-                      "decoding eagerly", file=sys.stderr)
+            if not GRAPHS["refused"]:
+                GRAPHS["refused"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                print(f"engine: no CUDA graph ({GRAPHS['refused']}); decoding eagerly", file=sys.stderr)
             self.eager = True
             torch.cuda.synchronize()
             return None
 
 
-_GRAPHS_REFUSED = False  # a capture failed in this process (said once)
+# What the decode graphs did in this process, for the bench scripts to report: generate calls,
+# graphs captured, steps replayed, steps run eagerly, and the first capture failure ("" if none).
+GRAPHS = {"calls": 0, "captures": 0, "replays": 0, "eager_steps": 0, "refused": ""}
+
+
+def graphs_line() -> str:
+    """One line of GRAPHS: whether decode steps replayed graphs or ran eagerly (and why)."""
+    g = GRAPHS
+    why = f"; graphs refused: {g['refused']}" if g["refused"] else ""
+    return (f"{g['calls']} generate calls, {g['captures']} graph captures "
+            f"({g['captures'] / max(g['calls'], 1):.1f} per call), {g['replays']} steps replayed, "
+            f"{g['eager_steps']} eager{why}")
 
 
 @torch.no_grad()  # not inference_mode: its tensors could not be reused by autograd later
@@ -782,6 +794,9 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
             stats[k] = stats.get(k, 0) + v
         stats["kv_bytes"] = max(stats.get("kv_bytes", 0), cache_bytes(cache))
         stats["rows"] = max(stats.get("rows", 0), S)
+    for k, v in (("calls", 1), ("captures", len(decode.graphs)), ("replays", decode.replays),
+                 ("eager_steps", decode.eager_steps)):
+        GRAPHS[k] += v
     out = _output(job)
     if dev.type == "cuda":  # the cache and the graphs' pool go back before the update runs
         del cache, decode, st, writes

@@ -147,6 +147,7 @@ def run(model, args, name, prompts, limits, slots):
     if "continuous" in rate:
         vs = ", ".join(f"{rate['continuous'] / r:.2f}x {k}" for k, r in rate.items() if k != "continuous")
         print(f"  {name}: continuous = {vs}", flush=True)
+        print(f"  engine: {engine.graphs_line()}", flush=True)
 
 
 def check_parity(device: str) -> None:

@@ -25,6 +25,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="0.6b", choices=sorted(CONFIGS), help="model shape (default: %(default)s)")
     ap.add_argument("--out", required=True, help="folder to write")
+    ap.add_argument("--device", default="cpu", help="where to build it (a GPU builds the 0.6B in seconds)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="saved dtype (default: %(default)s)")
     args = ap.parse_args()
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -33,7 +34,8 @@ def main():
     cfg = Qwen3Config(**CONFIGS[args.config], max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
                       tie_word_embeddings=True, bos_token_id=None, eos_token_id=stops, pad_token_id=stops[1])
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).to(getattr(torch, args.dtype))
+    with torch.device(args.device):
+        model = Qwen3ForCausalLM(cfg).to(getattr(torch, args.dtype))
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = stops, stops[1]
     model.save_pretrained(args.out)
     tok.save_pretrained(args.out)
