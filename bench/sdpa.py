@@ -10,12 +10,14 @@ training (grpo.batch_logprobs' forward and backward, transformers' SDPA with the
    one training forward and backward run; for every call the wrapper asks
    torch._fused_sdp_choice which backend PyTorch picks for those very arguments.
 2. time: on the largest recorded call of each site, every backend forced in turn
-   (torch.nn.attention.sdpa_kernel): the first call on each of --shapes new shapes (what a
-   kernel that builds a plan per shape pays: this project's shapes change every call) and the
-   median of --repeats calls on one shape; "n/a" where the backend refuses the arguments.
+   (torch.nn.attention.sdpa_kernel), and "default" (PyTorch's pick): the first call on each of
+   --shapes new shapes (what a kernel that builds a plan per shape pays: this project's shapes
+   change every call) and the median of --repeats calls on one shape; "n/a" where the backend
+   refuses the arguments.
 Times are wall time, synchronised on CUDA. Random weights: neither choice nor time depends on them.
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -96,29 +98,32 @@ def timed(fn, device) -> float:
 
 
 def time_backends(args_, kwargs, training: bool, shapes: int, repeats: int) -> dict:
-    """{backend: (mean ms of a first call on a new shape, median ms on one shape) or None}."""
+    """{backend: (mean ms of a first call on a new shape, median ms on one shape) or None}; the
+    "default" entry forces nothing (PyTorch picks). Each entry gets shapes no other entry used,
+    so a plan a kernel cached for an earlier entry's shape is not counted as free."""
     q0, k0, v0 = args_
     device = q0.device
     out = {}
-    for backend, name in BACKENDS.items():
+    for i, (backend, name) in enumerate([(None, "default"), *BACKENDS.items()]):
         def one(width_cut: int = 0):
             q, k, v = (t.detach().clone() for t in (q0, k0, v0))
             m = kwargs.get("attn_mask")
-            if width_cut:    # a new shape: the keys one column shorter per cut
+            if width_cut:    # a new shape: the keys width_cut columns shorter
                 k, v = k[..., :-width_cut, :], v[..., :-width_cut, :]
                 m = None if m is None else m[..., :-width_cut]
             if training:
                 q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
             kw = {**kwargs, "attn_mask": m}
-            with sdpa_kernel([backend]):
-                def run():
+
+            def run():
+                with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
                     o = real_sdpa(q, k, v, **kw)
                     if training:
                         o.sum().backward()
-                return run
+            return run
         try:
             timed(one(), device)                                      # the kernel's own warm-up
-            first = [timed(one(c), device) for c in range(1, shapes + 1)]
+            first = [timed(one(i * shapes + c), device) for c in range(1, shapes + 1)]
             run = one()
             steady = [timed(run, device) for _ in range(repeats)]
             out[name] = (statistics.mean(first), statistics.median(steady))
