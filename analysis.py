@@ -14,13 +14,18 @@ without a `done` file is unfinished.
 - One row per run: base accuracy (the step-0 evaluation, the untrained workflow), peak
   accuracy and its step (the earliest step at the maximum over all evaluations, step 0
   included), final accuracy (last evaluation), gains final - base and peak - base, and the
-  terminal cliff: a run has a terminal cliff when its last N evaluations (--cliff-window)
-  all come after its peak and all lie at least D points (--cliff-drop) below it; the cliff
-  step is the first evaluation of the final stretch that stays that far below the peak.
-  (N = 2 by default: one low last reading alone is noise as often as not; D = 10.)
+  run's outcome: a run learned when its peak comes after step 0 and lies at least M points
+  above step 0, and fell when its last N evaluations all come after its peak and all lie at
+  least D points below it; a terminal cliff is a fall after learning (the cliff step: the first
+  evaluation of the final stretch that stays that far below the peak), an early collapse a fall
+  without learning; the others did not learn or learned (and held). The paper's cliff is the
+  terminal one, a fall from a learned peak. M = LEARN_MARGIN = 10, N = --cliff-window = 2 (one
+  low last reading alone is noise as often as not), D = --cliff-drop = 10 (with 256 held-out
+  problems one evaluation's standard error is about 3 points).
 - Cells: runs that differ only in their seed, keyed by (workflow, task, scale, sharing, lr),
   with the mean, standard deviation (sample; 0 for one seed) and range (min..max) of each
-  accuracy and gain, and cliffs as k/n runs. The task reads TASK:DATA when the data set is not
+  accuracy and gain, and the outcomes counted apart (terminal cliffs, early collapses, runs that
+  did not learn, of n). The task reads TASK:DATA when the data set is not
   the scale's default.
 - Mechanisms, from metrics.jsonl:
   * per-role gradient norm: roles[r].grad_norm_opt (mean over the role's optimizer steps of
@@ -61,11 +66,15 @@ from collections import defaultdict
 import taskkinds  # torch-free: the registry of task kinds
 import workflows  # torch-free: the registry of workflows, roles and role kinds
 
-CLIFF_DROP = 10.0      # percentage points below the peak
+CLIFF_DROP = 10.0      # D: points below the peak that an end must lie to count as a fall
 CLIFF_WINDOW = 2       # last evaluations that must all be that far below it
-CLIFF_RULE = ("a run has a terminal cliff when its last N evaluations (--cliff-window) all come after "
-              "its peak and all lie at least D points (--cliff-drop) below it; the cliff step is the first "
-              "evaluation of the final stretch that stays that far below the peak")
+LEARN_MARGIN = 10.0    # M: points above step 0 that a later peak must reach to count as learned
+OUTCOMES = ("terminal cliff", "early collapse", "did not learn", "learned")
+OUTCOME_RULE = ("a run learned when its peak comes after step 0 and lies at least M points above step 0, and "
+                "fell when its last N evaluations all come after its peak and all lie at least D points below "
+                "it; a terminal cliff is a fall after learning (the cliff step: the first evaluation of the final "
+                "stretch that stays that far below the peak), an early collapse a fall without learning; the "
+                "others did not learn or learned (and held)")
 TABLE_WIDTH = 120
 
 
@@ -185,15 +194,19 @@ def _cliff_start(accs: list, peak_i: int, line: float) -> int:
     return i
 
 
-def accuracy_summary(evals: list, cliff_drop: float = CLIFF_DROP, cliff_window: int = CLIFF_WINDOW) -> dict:
-    """Base, peak, final accuracy, gains and the terminal cliff (CLIFF_RULE).
+def accuracy_summary(evals: list, cliff_drop: float = CLIFF_DROP, cliff_window: int = CLIFF_WINDOW,
+                     learn_margin: float = LEARN_MARGIN) -> dict:
+    """Base, peak, final accuracy, gains and the run's outcome (OUTCOME_RULE).
 
-    `evals` are eval.jsonl records sorted by step; `cliff_drop` is in percentage points.
-    tail_mean is the mean of the last `cliff_window` evaluations."""
+    `evals` are eval.jsonl records sorted by step; `cliff_drop` and `learn_margin` are in
+    percentage points. tail_mean is the mean of the last `cliff_window` evaluations. `cliff` is
+    a terminal cliff, `collapse` an early collapse; `fall_step` is where either's final stretch
+    begins, `cliff_step` the same for a terminal cliff only."""
     pts = [(r["step"], float(r["acc"])) for r in evals if is_num(r.get("acc"))]
     out = {"n_evals": len(pts), "base_acc": None, "peak_acc": None, "peak_step": None,
            "final_acc": None, "final_step": None, "gain_final": None, "gain_peak": None,
-           "tail_mean": None, "cliff_line": None, "cliff": False, "cliff_step": None}
+           "tail_mean": None, "cliff_line": None, "learned": False, "fell": False, "outcome": None,
+           "cliff": False, "collapse": False, "cliff_step": None, "fall_step": None}
     if not pts:
         return out
     accs = [a for _, a in pts]
@@ -208,9 +221,25 @@ def accuracy_summary(evals: list, cliff_drop: float = CLIFF_DROP, cliff_window: 
     out["cliff_line"] = accs[peak_i] - cliff_drop / 100.0
     # 1e-9: 0.5 - 0.4 is 0.0999..., which must count as a drop of 10 points
     start = _cliff_start(accs, peak_i, out["cliff_line"] + 1e-9)
-    if len(accs) - start >= cliff_window:
-        out.update(cliff=True, cliff_step=pts[start][0])
+    fell = len(accs) - start >= cliff_window
+    learned = base is not None and pts[peak_i][0] > 0 and accs[peak_i] - base >= learn_margin / 100.0 - 1e-9
+    outcome = OUTCOMES[0] if learned and fell else OUTCOMES[1] if fell else OUTCOMES[3] if learned else OUTCOMES[2]
+    out.update(learned=learned, fell=fell, outcome=outcome, cliff=learned and fell, collapse=fell and not learned,
+               fall_step=pts[start][0] if fell else None, cliff_step=pts[start][0] if learned and fell else None)
     return out
+
+
+def outcome_counts(summaries: list) -> dict:
+    """{outcome: runs} for every outcome in OUTCOMES (0 where none)."""
+    return {o: sum(s.get("outcome") == o for s in summaries) for o in OUTCOMES}
+
+
+def outcome_text(counts: dict, n: int | None = None, short: bool = False) -> str:
+    """'1 cliff, 2 collapse, 0 flat of 7' (short: '1/2/0 of 7'): terminal cliffs, early
+    collapses, runs that did not learn."""
+    n = sum(counts.values()) if n is None else n
+    c, x, f = counts["terminal cliff"], counts["early collapse"], counts["did not learn"]
+    return f"{c}/{x}/{f} of {n}" if short else f"{c} cliff, {x} collapse, {f} flat of {n}"
 
 
 # ----------------------------------------------------------------------------- mechanisms
@@ -487,7 +516,7 @@ def cells(summaries: list) -> list:
     for key in sorted(groups, key=cell_order):
         ss = groups[key]
         c = dict(zip(CELL_KEYS, key), runs=[s["name"] for s in ss], seeds=[s["seed"] for s in ss],
-                 n=len(ss), cliffs=sum(s["cliff"] for s in ss))
+                 n=len(ss), cliffs=sum(s["cliff"] for s in ss), outcomes=outcome_counts(ss))
         c.update({k: _stats([s[k] for s in ss]) for k in CELL_STATS})
         out.append(c)
     return out
@@ -584,7 +613,7 @@ def dose(summaries: list, knob: str) -> list:
         ss = _one_per_seed(ss)
         means = [_run_means(s) for s in ss]
         point = {"lr": lr, "value": value, "n": len(ss), "seeds": [s["seed"] for s in ss],
-                 "cliffs": sum(s["cliff"] for s in ss), "peak": _stats([s["peak_acc"] for s in ss]),
+                 "cliffs": sum(s["cliff"] for s in ss), "outcomes": outcome_counts(ss), "peak": _stats([s["peak_acc"] for s in ss]),
                  "final": _stats([s["final_acc"] for s in ss]), "base": _stats([s["base_acc"] for s in ss]),
                  "dominant": {r: sum(m["dominant"] == r for m in means) for r in sorted({m["dominant"] for m in means
                                                                                         if m["dominant"]})}}
@@ -595,7 +624,7 @@ def dose(summaries: list, knob: str) -> list:
     return out
 
 
-DOSE_HEADERS = ["lr", "value", "seeds", "base", "peak", "final", "cliffs", "norm/opt step", "coherence",
+DOSE_HEADERS = ["lr", "value", "seeds", "base", "peak", "final", "outcomes", "norm/opt step", "coherence",
                 "share", "len first->last", "dominant"]
 
 
@@ -610,7 +639,7 @@ def dose_rows(points: list) -> list:
         lens = " ".join(f"{_abbrev(r)} {p['len_first'][r]['mean']:.1f}->{p['len_last'][r]['mean']:.1f}"
                         for r in p["len_first"] if p["len_first"][r] and p["len_last"].get(r))
         rows.append([lr_label(p["lr"]), str(p["value"]), str(p["n"]), _stat(p["base"]), _stat(p["peak"]),
-                     _stat(p["final"]), f"{p['cliffs']}/{p['n']}", _role_stats(p["norm"]),
+                     _stat(p["final"]), outcome_text(p["outcomes"], p["n"]), _role_stats(p["norm"]),
                      _role_stats(p["coherence"], ".2f"), _role_stats(p["share"], ".2f"), lens or "-",
                      " ".join(f"{_abbrev(r)} {k}" for r, k in p["dominant"].items()) or "-"])
     return rows
@@ -654,19 +683,25 @@ def _pair(p, fmt=".3g") -> str:
 
 
 def _cliff_cell(s: dict) -> str:
-    return f"CLIFF@{s['cliff_step']}" if s["cliff"] else "no"
+    """CLIFF@step (terminal), collapse@step (early), or the outcome without a fall."""
+    if s["cliff"]:
+        return f"CLIFF@{s['cliff_step']}"
+    if s.get("collapse"):
+        return f"collapse@{s['fall_step']}"
+    return {"did not learn": "flat", "learned": "no"}.get(s.get("outcome"), "-")
 
 
 def _status(s: dict) -> str:
     return "done" if s["finished"] else f"unfinished ({s['steps_logged']}/{s['steps_planned'] or '?'})"
 
 
-RUN_HEADERS = ["run", "cell", "status", "base", "peak", "@step", "final", "fin-base", "peak-base", "cliff"]
+RUN_HEADERS = ["run", "cell", "status", "base", "peak", "@step", "final", "fin-base", "peak-base", "outcome"]
 
 
 def run_legend(cliff_drop: float = CLIFF_DROP, cliff_window: int = CLIFF_WINDOW) -> str:
-    return (f"accuracy %; base = step 0; peak = earliest max (@step); CLIFF@cliff step: last {cliff_window} evals "
-            f"all >= {cliff_drop:g} pts below peak")
+    return (f"accuracy %; base = step 0; peak = earliest max (@step); a fall: last {cliff_window} evals all "
+            f">= {cliff_drop:g} pts below peak\nCLIFF@step: a fall after a learned peak (after step 0, "
+            f">= {LEARN_MARGIN:g} pts above it); collapse@step: a fall without; flat: neither")
 
 
 def _cell_label(s: dict) -> str:
@@ -684,14 +719,14 @@ def run_rows(summaries: list) -> list:
 
 
 REPORT_RUN_HEADERS = ["run", "workflow", "task", "scale", "sharing", "lr", "seed", "status", "base", "peak",
-                      "peak step", "final", "final-base", "peak-base", "cliff", "cliff step"]
+                      "peak step", "final", "final-base", "peak-base", "outcome", "fall step"]
 
 
 def report_run_rows(summaries: list) -> list:
     return [[s["name"], s["workflow"] or "-", s["task"] or "-", scale_label(s["scale"]), s["sharing"] or "-",
              lr_label(s["lr"]), _num(s["seed"], "d"), _status(s), _pct(s["base_acc"]), _pct(s["peak_acc"]),
              _num(s["peak_step"], "d"), _pct(s["final_acc"]), _pct(s["gain_final"], True),
-             _pct(s["gain_peak"], True), "CLIFF" if s["cliff"] else "no", _num(s["cliff_step"], "d")]
+             _pct(s["gain_peak"], True), s["outcome"] or "-", _num(s["fall_step"], "d")]
             for s in summaries]
 
 
@@ -743,15 +778,16 @@ def _stat(st, sign=False, spread=True, rng=False) -> str:
         return "-"
     out = _pct(st["mean"], sign)
     if spread and st["n"] > 1:
-        out += f"±{100 * st['sd']:.1f}"
-        if rng:
+        out += f"±{100 * st['sd']:.1f}" if st["n"] > 2 else ""   # two values: their range says it all
+        if rng or st["n"] == 2:
             out += f" ({_pct(st['min'], sign)}..{_pct(st['max'], sign)})"
     return out
 
 
 CELL_HEADERS = ["workflow", "task", "scale", "sharing", "lr", "seeds", "base", "peak", "final", "final-base",
-                "peak-base", "cliffs", "variant"]
-CELL_LEGEND = "accuracy %, mean over seeds (±sd); cliffs = runs with a cliff / runs; variant = the flags that set it apart"
+                "peak-base", "outcomes", "variant"]
+CELL_LEGEND = ("accuracy %, mean over seeds (±sd; two seeds: no sd); variant = the flags that set it apart\n"
+               "outcomes = terminal cliffs, early collapses and runs that did not learn, of the seeds (c/c/f of n)")
 
 
 def cell_table(summaries: list, report: bool = False) -> tuple:
@@ -766,7 +802,8 @@ def cell_rows(summaries: list, report: bool = False) -> list:
     """One row per (workflow, task, scale, sharing, lr, variant); gains with ±sd (and min..max in the report)."""
     return [[c["workflow"] or "-", c["task"] or "-", scale_label(c["scale"]), c["sharing"] or "-", lr_label(c["lr"]),
              str(c["n"]), *(_stat(c[k], spread=report, rng=report) for k in CELL_STATS[:3]),
-             *(_stat(c[k], True, rng=report) for k in CELL_STATS[3:]), f"{c['cliffs']}/{c['n']}", c["variant"] or "-"]
+             *(_stat(c[k], True, rng=report) for k in CELL_STATS[3:]), outcome_text(c["outcomes"], c["n"], not report),
+             c["variant"] or "-"]
             for c in cells(summaries)]
 
 
@@ -845,9 +882,10 @@ def _figure_section(title: str, prefix: str, figures: list, base: str) -> list:
 
 
 def _intro(cliff_drop: float, cliff_window: int) -> list:
-    rule = CLIFF_RULE.replace("N evaluations", f"{cliff_window} evaluations").replace("D points", f"{cliff_drop:g} points")
+    rule = (OUTCOME_RULE.replace("N evaluations", f"{cliff_window} evaluations")
+            .replace("D points", f"{cliff_drop:g} points").replace("M points", f"{LEARN_MARGIN:g} points"))
     return ["# Runs", "", "Accuracy in %. Base = step 0 (the untrained workflow); peak = the earliest step at the "
-            f"maximum, step 0 included. Cliff: {rule}. Unfinished runs have no `done` file.", ""]
+            f"maximum, step 0 included. Outcome: {rule}. Unfinished runs have no `done` file.", ""]
 
 
 def _cells_section(summaries: list) -> list:

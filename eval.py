@@ -587,7 +587,7 @@ def _analyse_cli(args):
                                       report=args.report, pre_cliff_steps=args.pre_cliff_steps)
     if args.json:
         print(json.dumps({"cliff_drop": args.cliff_drop, "cliff_window": args.cliff_window,
-                          "cliff_rule": analysis.CLIFF_RULE, "runs": summaries, "cells": analysis.cells(summaries),
+                          "outcome_rule": analysis.OUTCOME_RULE, "runs": summaries, "cells": analysis.cells(summaries),
                           "figures": figures}, indent=1))
         return
     if args.dose:
@@ -646,7 +646,7 @@ def _parser():
     import tasks
     p = flags.Parser(
         prog="eval.py", description="Evaluate a workflow (--workflow/--task/--scale, or --checkpoint) or analyse run folders (--runs).",
-        epilog=f"Terminal cliff: {analysis.CLIFF_RULE}. Both --runs and --report write PNG plots (acc.png, grad.png, "
+        epilog=f"Outcomes: {analysis.OUTCOME_RULE}. Both --runs and --report write PNG plots (acc.png, grad.png, "
                "length.png into each run folder; with --report also the map and per-cell figures next to the "
                "report); --no-plots writes none. Run-folder format: docs/RUNFOLDER.md.",
         formatter_class=_Help)

@@ -12,9 +12,10 @@ which is not installed: pip install matplotlib". A figure or panel with nothing 
 drawn.
 
 Into each run folder (plot_run):
-- acc.png: evaluation accuracy with the base (dotted), the peak (star), and for a cliff the line
-  D points below the peak, the cliff step (dashed red) and the stretch after it; the training
-  reward in its own panel.
+- acc.png: evaluation accuracy with the base (dotted), the peak (star), the run's outcome in
+  the title (analysis.OUTCOME_RULE), and for a fall the line D points below the peak, the fall's
+  step (dashed) and the stretch after it: red for a terminal cliff, grey for an early
+  collapse; the training reward in its own panel.
 - grad.png: per-role gradient norm (per optimizer step when logged; log scale), gradient-mass
   share, slot coherence, and the coherence damping's scale (solid) and cosine (dashed); the
   cliff step marked.
@@ -25,7 +26,8 @@ A PNG left by an earlier analysis that now has nothing to show is removed.
 Next to a report at REPORT_DIR/STEM.md, into REPORT_DIR/STEM-figures/ (plot_runs):
 - map.png: one panel per task, a row per workflow x sharing (x lr, x scale, when there are
   several), coloured by the mean final - base accuracy (diverging, centred at 0), with
-  peak - base and the cliffs k/n as text; ±sd with several seeds.
+  peak - base and the outcomes (terminal cliffs / early collapses / did not learn, of n) as
+  text; ±sd with three seeds or more.
 - mech-WORKFLOW-TASK-SCALE-SHARING-lrLR.png: a cell's grad.png panels and per-role length over
   training steps, seeds as mean and min..max band, each seed's cliff step marked.
 - acc-WORKFLOW-TASK-SCALE-lrLR.png: evaluation accuracy and training reward of one workflow,
@@ -92,9 +94,9 @@ def _figure_class():
     return Figure
 
 
-def _mark_cliffs(ax, steps, label=True):
+def _mark_cliffs(ax, steps, label=True, color="tab:red", name="cliff step"):
     for i, step in enumerate(steps):
-        ax.axvline(step, color="tab:red", ls="--", lw=1.2, label="cliff step" if label and i == 0 else None)
+        ax.axvline(step, color=color, ls="--", lw=1.2, label=name if label and i == 0 else None)
 
 
 def _log_axis(ax, values):
@@ -134,18 +136,19 @@ def _draw_accuracy(Figure, run: dict, s: dict):
     if not pts:
         return None
     rew = [(r["step"], 100 * r["reward"]) for r in run["metrics"] if is_num(r.get("reward"))]
-    fig, axes = _panels(Figure, 2 if rew else 1, cell_title(s) + ("" if s["finished"] else " (unfinished)"),
-                        ratios=[2.2, 1] if rew else None)
+    title = cell_title(s) + (f": {s['outcome']}" if s.get("outcome") else "") + ("" if s["finished"] else " (unfinished)")
+    fig, axes = _panels(Figure, 2 if rew else 1, title, ratios=[2.2, 1] if rew else None)
     ax = axes[0]
     ax.plot(*zip(*pts), marker="o", ms=3, color="black", label="eval accuracy")
     if s["base_acc"] is not None:
         ax.axhline(100 * s["base_acc"], color="0.4", ls=":", lw=1, label=f"base {100 * s['base_acc']:.1f}")
     ax.plot([s["peak_step"]], [100 * s["peak_acc"]], "*", ms=14, color="tab:green",
             label=f"peak {100 * s['peak_acc']:.1f} @ {s['peak_step']}")
-    if s["cliff"]:
-        ax.axhline(100 * s["cliff_line"], color="tab:red", ls=":", lw=1, label="peak - cliff drop")
-        ax.axvspan(s["cliff_step"], s["final_step"], color="tab:red", alpha=0.12)
-        _mark_cliffs(ax, [s["cliff_step"]])
+    if s.get("fell"):   # a terminal cliff in red; an early collapse (no learned peak) in grey
+        color, name = ("tab:red", "cliff step") if s["cliff"] else ("0.45", "collapse step")
+        ax.axhline(100 * s["cliff_line"], color=color, ls=":", lw=1, label="peak - cliff drop")
+        ax.axvspan(s["fall_step"], s["final_step"], color=color, alpha=0.12)
+        _mark_cliffs(ax, [s["fall_step"]], color=color, name=name)
     ax.set(ylabel="eval accuracy (%)")
     ax.grid(alpha=0.3)
     if rew:
@@ -298,10 +301,13 @@ def _map_label(row: tuple, several_lr: bool, several_scales: bool) -> str:
 
 
 def _map_text(c: dict) -> tuple:
-    """(final - base, peak - base, cliffs) of a cell as text; ±sd with several seeds."""
+    """(final - base, peak - base, outcomes) of a cell as text; ±sd with three seeds or more.
+    Outcomes: terminal cliffs / early collapses / runs that did not learn, of n."""
     def gain(st):
-        return "-" if st is None else f"{100 * st['mean']:+.1f}" + (f" ±{100 * st['sd']:.1f}" if st["n"] > 1 else "")
-    return gain(c["gain_final"]), gain(c["gain_peak"]), f"{'▼ ' if c['cliffs'] else ''}{c['cliffs']}/{c['n']}"
+        return "-" if st is None else f"{100 * st['mean']:+.1f}" + (f" ±{100 * st['sd']:.1f}" if st["n"] > 2 else "")
+    o = c.get("outcomes") or {"terminal cliff": c["cliffs"], "early collapse": 0, "did not learn": 0}
+    return (gain(c["gain_final"]), gain(c["gain_peak"]),
+            f"{'▼ ' if c['cliffs'] else ''}{o['terminal cliff']}/{o['early collapse']}/{o['did not learn']} of {c['n']}")
 
 
 def _map_panel(ax, cs: list, task: str, norm, cmap):
@@ -321,7 +327,7 @@ def _map_panel(ax, cs: list, task: str, norm, cmap):
         ax.text(2, i, cliff, ha="center", va="center", fontsize=10, color="tab:red" if c["cliffs"] else "0.4",
                 fontweight="bold" if c["cliffs"] else None)
     ax.set_xlim(-0.5, 2.5)
-    ax.set_xticks([0, 1, 2], ["final - base", "peak - base", "cliffs"])
+    ax.set_xticks([0, 1, 2], ["final - base", "peak - base", "cliff/collapse/flat"])
     ax.xaxis.tick_top()
     ax.set_title(f"task: {task}", fontsize=12)
     for side in ("top", "right", "bottom", "left"):
@@ -364,7 +370,7 @@ def map_figure(cell_list: list):
     several = max(c["n"] for c in cell_list) > 1
     # two lines: one panel (a single task) is too narrow for the whole title on one
     fig.suptitle("Accuracy map: gains in points" + (" (mean ±sd over seeds)" if several else "")
-                 + "\n▼ k/n = runs with a terminal cliff", fontsize=12)
+                 + "\ncliff/collapse/flat of n: terminal cliffs (▼), early collapses, did not learn", fontsize=12)
     return fig
 
 

@@ -199,24 +199,44 @@ def _curve(accs, every=5):
     return [{"step": every * i, "acc": a / 100} for i, a in enumerate(accs)]
 
 
-CURVES = {  # accuracies (%) at steps 0, 5, 10, ...: (cliff?, cliff step)
-    "steady rise": ([10, 20, 30, 40, 50, 60], False, None),
-    "noisy plateau": ([20, 45, 52, 48, 55, 50, 53, 47], False, None),
-    "noisy plateau, one low last reading": ([20, 50, 55, 48, 53, 44], False, None),
-    "mid-run dip with recovery": ([20, 50, 60, 20, 15, 55, 58], False, None),
-    "gentle decline": ([20, 60, 58, 56, 54, 52], False, None),
-    "slow decline past the threshold": ([20, 60, 57, 54, 51, 48, 45, 42], True, 25),
-    "collapse right after a late peak": ([20, 30, 40, 50, 64, 20, 10], True, 25),
-    "dip, recovery, then collapse": ([20, 60, 30, 58, 20, 10], True, 20),
-    "peak at step 0, then collapse": ([60, 40, 30], True, 5),
+CURVES = {  # accuracies (%) at steps 0, 5, 10, ...: (outcome, the fall's step)
+    "steady rise": ([10, 20, 30, 40, 50, 60], "learned", None),
+    "noisy plateau": ([20, 45, 52, 48, 55, 50, 53, 47], "learned", None),
+    "noisy plateau, one low last reading": ([20, 50, 55, 48, 53, 44], "learned", None),
+    "mid-run dip with recovery": ([20, 50, 60, 20, 15, 55, 58], "learned", None),
+    "gentle decline": ([20, 60, 58, 56, 54, 52], "learned", None),
+    "slow decline past the threshold": ([20, 60, 57, 54, 51, 48, 45, 42], "terminal cliff", 25),
+    "collapse right after a late peak": ([20, 30, 40, 50, 64, 20, 10], "terminal cliff", 25),
+    "dip, recovery, then collapse": ([20, 60, 30, 58, 20, 10], "terminal cliff", 20),
+    "a rise of exactly the margin, then a fall": ([40, 50, 39, 38], "terminal cliff", 10),
+    "peak at step 0, then collapse": ([60, 40, 30], "early collapse", 5),
+    "a rise short of the margin, then collapse": ([50, 55, 40, 38], "early collapse", 10),
+    "flat": ([50, 52, 49, 51], "did not learn", None),
+    "a late rise short of the margin": ([50, 45, 52, 59], "did not learn", None),
 }
 
 
 @pytest.mark.parametrize("name", CURVES)
-def test_cliff_rule_on_hand_made_curves(name):
-    accs, cliff, step = CURVES[name]
-    s = analysis.accuracy_summary(_curve(accs))  # the defaults: 10 points, last 2 evaluations
-    assert (s["cliff"], s["cliff_step"]) == (cliff, step), name
+def test_outcome_rule_on_hand_made_curves(name):
+    accs, outcome, step = CURVES[name]
+    s = analysis.accuracy_summary(_curve(accs))  # the defaults: D = 10, M = 10, last 2 evaluations
+    assert (s["outcome"], s["fall_step"]) == (outcome, step), name
+    # the flags agree with the outcome: `cliff` is the terminal cliff alone
+    assert s["cliff"] == (outcome == "terminal cliff") and s["collapse"] == (outcome == "early collapse")
+    assert s["cliff_step"] == (step if s["cliff"] else None)
+
+
+def test_outcome_counts_keep_the_kinds_apart():
+    runs = [analysis.accuracy_summary(_curve(CURVES[n][0])) for n in CURVES]
+    counts = analysis.outcome_counts(runs)
+    assert counts == {"terminal cliff": 4, "early collapse": 2, "did not learn": 2, "learned": 5}
+    assert analysis.outcome_text(counts) == "4 cliff, 2 collapse, 2 flat of 13"
+
+
+def test_learn_margin_decides_between_a_terminal_cliff_and_an_early_collapse():
+    curve = _curve([40, 50, 39, 38])
+    assert analysis.accuracy_summary(curve, learn_margin=10)["outcome"] == "terminal cliff"
+    assert analysis.accuracy_summary(curve, learn_margin=11)["outcome"] == "early collapse"
 
 
 def test_cliff_window_is_how_many_last_evaluations_must_agree():
@@ -363,10 +383,13 @@ def test_cells_are_keyed_by_lr_with_mean_spread_and_cliff_frequency(tmp_path):
     assert cs[1]["gain_final"]["mean"] == pytest.approx(0.1) and cs[1]["gain_peak"]["max"] == pytest.approx(0.4)
     rows = analysis.cell_rows(summaries)
     assert [r[analysis.CELL_HEADERS.index("lr")] for r in rows] == ["1e-3", "2e-3"]
-    assert [r[analysis.CELL_HEADERS.index("cliffs")] for r in rows] == ["0/2", "1/2"]
-    assert rows[1][analysis.CELL_HEADERS.index("final-base")] == "+10.0±28.3"
+    assert [r[analysis.CELL_HEADERS.index("outcomes")] for r in rows] == ["0/0/0 of 2", "1/0/0 of 2"]
+    assert analysis.cell_rows(summaries, report=True)[1][analysis.CELL_HEADERS.index("outcomes")] == \
+        "1 cliff, 0 collapse, 0 flat of 2"
+    # two seeds: their two values, no standard deviation
+    assert rows[1][analysis.CELL_HEADERS.index("final-base")] == "+10.0 (-10.0..+30.0)"
     md = analysis.cell_rows(summaries, report=True)[1][analysis.CELL_HEADERS.index("final-base")]
-    assert md == "+10.0±28.3 (-10.0..+30.0)"
+    assert md == "+10.0 (-10.0..+30.0)"
 
 
 def test_report_lists_every_run(tmp_path):
@@ -379,7 +402,7 @@ def test_report_lists_every_run(tmp_path):
     text = open(report).read()
     for s in summaries:
         assert f"| {s['name']} |" in text
-    assert "CLIFF" in text and "unfinished" in text
+    assert "terminal cliff" in text and "unfinished" in text
     assert "| voting | math | toy | isolated | - | 1 |" in text  # the per-cell table (lr not in these configs)
     try:
         import matplotlib  # noqa: F401
@@ -461,7 +484,7 @@ def test_a_dose_response_is_a_point_per_lr_and_value_over_its_seeds(tmp_path, ca
     assert set(last["norm"]) == {"generator", "aggregator"}
     assert last["coherence"]["generator"]["mean"] > points[0]["coherence"]["generator"]["mean"] + 0.02
     rows = analysis.dose_rows(points)
-    assert rows[-1][:3] == ["2e-3", "8", "2"] and rows[-1][6] == "2/2"
+    assert rows[-1][:3] == ["2e-3", "8", "2"] and rows[-1][6] == "2 cliff, 0 collapse, 0 flat of 2"
     # an unset value is the paper's default: 3 voters
     default = analysis.dose_value({"config": {"n_voters": None}}, "n_voters")
     assert default == 3 and analysis.dose_value({"config": {"damp_placebo": True, "coherence_damp": {"g": 1}}},

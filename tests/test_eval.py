@@ -36,8 +36,8 @@ def test_cli_analysis_json_and_help(tmp_path):
     data = json.loads(out.stdout)
     assert data["cliff_drop"] == 30 and data["runs"][0]["cliff"] is True and data["runs"][0]["peak_step"] == 10
     h = subprocess.run([sys.executable, "eval.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert "--cliff-drop" in h.stdout and analysis.CLIFF_RULE in " ".join(h.stdout.split())
-    assert analysis.CLIFF_RULE in " ".join(analysis.__doc__.split())  # one sentence, the same in the docstring
+    assert "--cliff-drop" in h.stdout and analysis.OUTCOME_RULE in " ".join(h.stdout.split())
+    assert analysis.OUTCOME_RULE in " ".join(analysis.__doc__.split())  # one sentence, the same in the docstring
 
 
 def test_a_closed_pipe_ends_the_analysis_quietly(tmp_path):

@@ -43,7 +43,7 @@ def test_figures_name_the_cell_give_the_reward_its_own_panel_and_drop_empty_pane
         folder = synthetic_run(tmp_path, "voting", task, "isolated", seed=3, lr=2e-3, steps=10)
         run, s = analysis.load_run(folder), analysis.analyse_run(folder)
         acc = plots._draw_accuracy(Figure, run, s)
-        assert acc.get_suptitle() == f"voting, {task}, isolated, seed 3, lr 2e-3"
+        assert acc.get_suptitle() == f"voting, {task}, isolated, seed 3, lr 2e-3: {s['outcome']}"
         assert [ax.get_ylabel() for ax in acc.axes] == ["eval accuracy (%)", "train reward (%)"]
         outputs = [ax.get_ylabel() for ax in plots._draw_outputs(Figure, run, s).axes]
         assert ("code-block rate (eval)" in outputs) is has_code  # all zero on math: no panel
@@ -112,7 +112,7 @@ def test_report_and_figures_from_a_synthetic_sweep(tmp_path):
     for section in ("## Map", "## Cells", "## Shared against Isolated", "## Before the cliff",
                     "## Capture under Shared", "## Mechanisms", "## Mechanisms per cell", "## Runs"):
         assert section in text
-    assert "| voting | math | toy | isolated | 2e-3 | 2 |" in text and "| 1/2 |" in text
+    assert "| voting | math | toy | isolated | 2e-3 | 2 |" in text and "| 1 cliff, 0 collapse, 0 flat of 2 |" in text
     assert "Coherence rises in 1 of 1 cliff runs" in text
     assert text.index("## Map") < text.index("## Cells") < text.index("## Before the cliff")
 
