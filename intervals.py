@@ -23,9 +23,10 @@ Choices (each unit-tested on hand-computed cases in tests/test_intervals.py):
 - The 95% interval is mean ± t(0.975, df) x se, with Student's t for fractional df (an
   incomplete-beta CDF inverted by bisection): at df 2, twice the standard error is an interval
   of about 82%, not 95%.
-- n = 1 is written as a single run and n = 2 as its two values, with no error: two values
-  give a standard error of half their gap on one degree of freedom, where the 95% interval is
-  12.7 standard errors wide each way.
+- n = 1 is written as a single run and n = 2 as its two values, with no error, and an arm of
+  an unpaired contrast needs 3 units too: two values give a standard error of half their gap
+  on one degree of freedom, where the 95% interval is 12.7 standard errors wide each way. (The
+  error of a 2-unit model still enters an across-model estimate, with its one df.)
 - Two arms differ only when the 95% interval excludes 0; otherwise the verdict gives the
   interval's reach from 0, the largest effect the runs could have missed.
 """
@@ -103,8 +104,8 @@ class Estimate:
     ns: tuple = ()      # an unpaired contrast's two arms' units
 
     def ci(self, level: float = LEVEL):
-        """(lo, hi), or None without an error."""
-        if self.se is None or not self.df:
+        """(lo, hi); None without an error, or with fewer than 3 units (in an arm)."""
+        if self.se is None or not self.df or (min(self.ns) if self.ns else self.n) < 3:
             return None
         h = t_quantile(0.5 + level / 2, self.df) * self.se
         return self.mean - h, self.mean + h
@@ -116,8 +117,8 @@ class Estimate:
     def text(self, digits: int = 1, sign: bool = True) -> str:
         f = f"{'+' if sign else ''}.{digits}f"
         n = f"n = {self.ns[0]} and {self.ns[1]}" if self.ns else f"n = {self.n}"
-        if self.se is None and self.ns:
-            return f"{self.mean:{f}} ({n}, no error)"
+        if self.ns and (self.se is None or min(self.ns) < 3):
+            return f"{self.mean:{f}} ({n}: too few for an interval)"
         if self.n == 1 or (self.se is None and len(self.values) == 1):
             return f"{self.mean:{f}} (a single run)"
         if self.n == 2 and len(self.values) == 2:

@@ -41,18 +41,22 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import analysis
+import intervals
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 PAGE = os.path.join(HERE, "docs", "RESULTS.md")
 FIGURES = os.path.join(HERE, "docs", "figures")
 KEPT = ("config.json", "metrics.jsonl", "eval.jsonl")
+ROLES = "roles.json"     # kept beside them where a run has it: its end evaluated role by role (role_evals)
 GZIP_OVER = 1_000_000   # bytes: a larger log is kept compressed
 ORIGIN = ("commit", "dirty", "model_sha256")   # what must be one across a study's runs
+SENSITIVITY = (analysis.CLIFF_DROP, 20.0)      # the drops D (points) the outcomes are counted at
 
 
 # ----------------------------------------------------------------------------- the studies
@@ -82,6 +86,16 @@ def _credit_arm(cfg: dict) -> str:
     return "N=1" if n == 1 else f"N={n}, {cfg.get('credit') or 'final'}"
 
 
+def _voterfall_arm(cfg: dict) -> str:
+    """The voter fall's arm: N, what a voter is paid, and the generator adapter's optimizer steps
+    per training step (N x the step's rows over the mini-batch)."""
+    n = cfg.get("n_voters") or 3
+    if n == 1:
+        return "N=1"
+    steps = -(-n * cfg.get("problems_per_step", 16) * cfg.get("group_size", 8) // (cfg.get("mini_batch") or 128))
+    return f"N={n}, {cfg.get('credit') or 'final'}, {steps} step{'s' * (steps != 1)}"
+
+
 def _damping_arm(cfg: dict) -> str:
     arm = "placebo" if cfg.get("damp_placebo") else "damping" if cfg.get("coherence_damp") else "none"
     return f"{cfg.get('workflow')}, {arm}"
@@ -102,6 +116,7 @@ class Study:
     mechanisms: list = field(default_factory=lambda: ["displacement", "len", "parse_fail"])
     measures: tuple = ("final_acc",)              # what the contrasts compare (MEASURES)
     paired: bool = False                          # a seed's arms share model, problems, step 0: pair by seed
+    borrows: str = ""                             # a study (one commit with this) whose kept runs of this one's arms join them
 
 
 MEASURES = {"final_acc": "final accuracy", "gain": "the gain (final minus step 0)", "drop": "the drop from the peak"}
@@ -150,6 +165,19 @@ STUDIES = {
              "--axis n-voters=8,2 --axis credit=final,own --axis toy-seed=M -- --steps 60 --eval-every 10 "
              "--eval-problems 256 (and --axis n-voters=1); M = 0 (the shipped model) with S = 0, 1, 2, "
              "M = 1 and 2 (toy_models/math-seed1, -seed2) with S = 0, 1: results/lab.sh parts D and E"),
+    "voterfall": Study(
+        "The voter fall's 2x2: Voting / Isolated, math, lr 2e-3, N=8, what a voter is paid x the generator's "
+        "optimizer steps per training step, on three toy models",
+        _voterfall_arm, ["N=1", "N=8, final, 8 steps", "N=8, own, 8 steps", "N=8, final, 1 step", "N=8, own, 1 step"],
+        [("N=8, own, 1 step", "N=1"), ("N=8, final, 1 step", "N=1"), ("N=8, own, 1 step", "N=8, final, 8 steps"),
+         ("N=8, final, 1 step", "N=8, final, 8 steps"), ("N=8, own, 1 step", "N=8, own, 8 steps"),
+         ("N=8, own, 1 step", "N=8, final, 1 step")],
+        roles=("generator", "aggregator"), mechanisms=["displacement", "own_change"],
+        panel=("own_change", ("generator",), "generator's own accuracy, end - start (points)"),
+        paired=True, model_by="toy_seed", crossed=True, borrows="credit",
+        runs="the credit study's N=8 cells with --axis mini-batch=1024 (one generator step per training step; "
+             "results/lab.sh part F); N=1 and the 8-step arms are the credit study's runs; every N=8 run's end "
+             "evaluated role by role with `python studies.py roles WORKTREE RUN...`"),
     "damping": Study(
         "Coherence damping against its placebo and against nothing: Isolated, math, lr 2e-3",
         _damping_arm,
@@ -212,14 +240,15 @@ def keep(study: str, run: str) -> str:
     name = kept_name(run)
     dest = os.path.join(RESULTS, study, name)
     mine = origin(cfg, study)
-    others = {origin(analysis.read_config(r, quiet=True), study) for r in kept_runs(study)
+    borrowed = kept_runs(STUDIES[study].borrows) if STUDIES[study].borrows else []   # pairs with those: one commit
+    others = {origin(analysis.read_config(r, quiet=True), study) for r in kept_runs(study) + borrowed
               if os.path.normpath(r) != os.path.normpath(dest)}
     # one commit for the study; one toy model per value of the knob that selects it (if any)
     if any(o[:2] != mine[:2] or (o[3:] == mine[3:] and o[2] != mine[2]) for o in others):
         raise ValueError(f"{run}: commit / dirty / toy model {mine[:3]} differ from the study's runs {sorted(others)}")
     shutil.rmtree(dest, ignore_errors=True)
     os.makedirs(dest)
-    for f in KEPT:
+    for f in KEPT + ((ROLES,) if os.path.isfile(os.path.join(run, ROLES)) else ()):
         src = os.path.join(run, f)
         if os.path.getsize(src) > GZIP_OVER:
             with open(src, "rb") as a, gzip.open(os.path.join(dest, f + ".gz"), "wb") as b:
@@ -247,7 +276,7 @@ def restore(study: str, worktree: str) -> list:
             print(f"skipped {kept}: {dest} is already there", file=sys.stderr)
             continue
         os.makedirs(dest)
-        for f in KEPT:
+        for f in KEPT + ((ROLES,) if os.path.isfile(os.path.join(kept, ROLES)) else ()):
             src = os.path.join(kept, f)
             with (open(src, "rb") if os.path.isfile(src) else gzip.open(src + ".gz", "rb")) as a, \
                     open(os.path.join(dest, f), "wb") as b:
@@ -257,18 +286,51 @@ def restore(study: str, worktree: str) -> list:
     return written
 
 
+def _read_roles(folder: str) -> dict | None:
+    path = os.path.join(folder, ROLES)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _evaluate(worktree: str, args: list, problems: int) -> dict:
+    """One `eval.py ... --json` of the study's own checkout (its commit's model code), one thread:
+    the accuracy, and the aggregator's selection accuracy and oracle rate where it has them."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "eval.py", *args, "--problems", str(problems), "--json", "--quiet"],
+                         cwd=worktree, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise ValueError(f"eval.py {' '.join(args)} failed in {worktree}: {out.stderr.strip().splitlines()[-1:]}")
+    r = json.loads(out.stdout)
+    agg = r["quality"].get("aggregator") or {}
+    return {"acc": r["pass@k"]["1"], "selection_acc": agg.get("selection_acc"), "oracle_rate": agg.get("oracle_rate")}
+
+
+def role_evals(run: str, worktree: str, problems: int = 256, cache: dict | None = None) -> dict:
+    """Which role carries a Voting run's end: its last checkpoint and its untrained toy model,
+    each evaluated by `worktree`'s eval.py (the run's commit) on `problems` held-out problems
+    with one voter (the generator's own accuracy: one candidate leaves nothing to choose) and
+    with the run's voters (the aggregator's selection accuracy: its pick is right given that
+    some voter is right). `cache` holds the untrained model's evaluations across runs."""
+    cfg = analysis.read_config(run, quiet=True)
+    n = cfg.get("n_voters") or 3
+    start = ["--workflow", "voting", "--task", cfg.get("task") or "math", "--scale", "toy",
+             "--toy-seed", str(cfg.get("toy_seed") or 0), "--sharing", cfg.get("sharing") or "shared"]
+    end = ["--checkpoint", os.path.join(os.path.abspath(run), "ckpt-last")]
+    cache = {} if cache is None else cache
+    out = {"problems": problems, "voters": n, "commit": (cfg.get("provenance") or {}).get("commit")}
+    for when, args in (("start", start), ("end", end)):
+        out[when] = {}
+        for k in (1, n):
+            key = (tuple(args), k)
+            if when == "end" or key not in cache:
+                cache[key] = _evaluate(worktree, [*args, "--n-voters", str(k)], problems)
+            out[when]["one voter" if k == 1 else f"{n} voters"] = cache[key]
+    return out
+
+
 # ----------------------------------------------------------------------------- the analysis
-
-def _mean_se(xs: list):
-    """(mean, standard error) of the values that are there; se None for fewer than 2."""
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return None, None
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, None
-    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
-
 
 def _per_step(run: dict, role: str, key: str):
     """Mean over training steps of one of a role's per-step numbers (metrics.jsonl `roles`)."""
@@ -306,7 +368,19 @@ def _mechanism(run: dict, s: dict, key: str, role: str):
         return m.get("damp_scale", {}).get(role)
     if key == "paid_apart":
         return _per_step(run, role, "paid_apart")
+    if key == "own_change":
+        return role_change(run.get("roles"), role)
     raise KeyError(key)
+
+
+def role_change(roles: dict | None, role: str):
+    """From a run's roles.json (role_evals): end minus start, in points, of the generator's own
+    accuracy (one voter) or of the aggregator's selection accuracy (the run's voters)."""
+    if not roles:
+        return None
+    key, what = ("one voter", "acc") if role == "generator" else (f"{roles['voters']} voters", "selection_acc")
+    a, b = roles["start"][key].get(what), roles["end"][key].get(what)
+    return None if a is None or b is None else 100 * (b - a)
 
 
 def unit(st: Study, run: dict, s: dict):
@@ -316,13 +390,20 @@ def unit(st: Study, run: dict, s: dict):
 
 
 def arms(study: str, folders: list | None = None) -> dict:
-    """{arm: [(run, summary)]} of a study's kept runs (or of `folders`), one run per unit."""
+    """{arm: [(run, summary)]} of a study's kept runs (or of `folders`), one run per unit; a
+    study that borrows (Study.borrows) adds the other study's runs of the arms it lists."""
     st = STUDIES[study]
     out = {}
-    for folder in kept_runs(study) if folders is None else folders:
+    if folders is None:
+        folders = kept_runs(study) + (kept_runs(st.borrows) if st.borrows else [])
+    for folder in folders:
         run = analysis.load_run(folder, quiet=True)
+        run["roles"] = _read_roles(folder)
+        name = st.arm(run["config"])
+        if st.borrows and name not in st.order:
+            continue
         s = analysis.analyse_run(folder, run=run)
-        group = out.setdefault(st.arm(run["config"]), [])
+        group = out.setdefault(name, [])
         if unit(st, run, s) not in [unit(st, r, x) for r, x in group]:
             group.append((run, s))
     return out
@@ -346,50 +427,46 @@ def run_measures(s: dict) -> dict:
 
 
 def arm_row(st: Study, name: str, runs: list) -> dict:
-    """An arm's numbers: accuracy stats in points, cliffs, per role the mechanism means."""
-    row = {"arm": name, "seeds": sorted(unit(st, run, s) for run, s in runs), "cliffs": sum(bool(s["cliff"]) for _, s in runs)}
+    """An arm's numbers: each measure as an intervals.Estimate over its units (points), the
+    outcomes counted at each drop of SENSITIVITY, per role the mechanism means."""
+    row = {"arm": name, "seeds": sorted(unit(st, run, s) for run, s in runs),
+           "cliffs": sum(bool(s["cliff"]) for _, s in runs),
+           "outcomes": {d: analysis.outcome_counts([analysis.accuracy_summary(run["evals"], d) for run, _ in runs])
+                        for d in SENSITIVITY}}
     row["by_seed"] = {unit(st, run, s): run_measures(s) for run, s in runs}
     for m in ("base_acc", "peak_acc", "final_acc", "gain", "drop"):
-        row[m] = _mean_se([row["by_seed"][k][m] for k in row["seeds"]])
+        row[m] = intervals.sample([row["by_seed"][k][m] for k in row["seeds"]])
     for key in st.mechanisms:
         for role in st.roles:
-            row[f"{key}:{role}"] = _mean_se([_mechanism(run, s, key, role) for run, s in runs])[0]
+            e = intervals.sample([_mechanism(run, s, key, role) for run, s in runs])
+            row[f"{key}:{role}"] = e and e.mean
     return row
 
 
-def paired_contrast(rows: dict, a: str, b: str, measure: str = "final_acc"):
-    """(D, E, n): the mean over the seeds both arms ran of (a's measure minus b's), in points,
-    and its standard error; None for fewer than 2 such seeds."""
+def contrast(st: Study, rows: dict, a: str, b: str, measure: str = "final_acc"):
+    """(how, intervals.Estimate) of arm a minus arm b in a measure (points): paired over the
+    units both arms ran where the study's arms share a unit's model, problems and step 0
+    (Study.paired), else unpaired (Welch); None when either arm lacks runs."""
     if a not in rows or b not in rows:
         return None
     sa, sb = rows[a]["by_seed"], rows[b]["by_seed"]
-    diffs = [sa[k][measure] - sb[k][measure] for k in sorted(set(sa) & set(sb))
-             if sa[k][measure] is not None and sb[k][measure] is not None]
-    if len(diffs) < 2:
-        return None
-    d, e = _mean_se(diffs)
-    return d, e, len(diffs)
-
-
-def contrast(rows: dict, a: str, b: str, measure: str = "final_acc"):
-    """(D, E, n_a, n_b): a measure (MEASURES) of arm a minus arm b, in points, with its standard
-    error; None when either arm lacks runs."""
-    if a not in rows or b not in rows:
-        return None
-    (ma, sa), (mb, sb) = rows[a][measure], rows[b][measure]
-    if ma is None or mb is None:
-        return None
-    e = math.sqrt(sa ** 2 + sb ** 2) if sa is not None and sb is not None else None
-    return ma - mb, e, len(rows[a]["seeds"]), len(rows[b]["seeds"])
+    if st.paired:
+        e = intervals.paired({k: v[measure] for k, v in sa.items()}, {k: v[measure] for k, v in sb.items()})
+        if e is not None:
+            return f"paired by {'model and seed' if st.crossed else 'seed'}", e
+    e = intervals.welch([v[measure] for v in sa.values()], [v[measure] for v in sb.values()])
+    return (None if e is None else ("unpaired", e))
 
 
 # ----------------------------------------------------------------------------- the page
 
-def _pm(ms, digits=1) -> str:
-    m, se = ms
-    if m is None:
+def _pm(e, digits: int = 1) -> str:
+    """A table cell: mean ± standard error from 3 units on; 2 units give no error (n=2)."""
+    if e is None:
         return "-"
-    return f"{m:.{digits}f}" + (f" ± {se:.{digits}f}" if se is not None else "")
+    if e.se is None or e.n < 3:
+        return f"{e.mean:.{digits}f}" + (" (n=2)" if e.n == 2 else " (1 run)" if e.n == 1 else "")
+    return f"{e.mean:.{digits}f} ± {e.se:.{digits}f}"
 
 
 def _num(x) -> str:
@@ -402,13 +479,14 @@ def table(study: str, rows: dict) -> str:
     # a column that is nowhere measured or everywhere 0 (a generator's parse failures) says nothing
     mech = [(k, r) for k in st.mechanisms for r in st.roles if any(row.get(f"{k}:{r}") for row in rows.values())]
     gain = "gain" in st.measures   # the arms start from different toy models: show final minus step 0
-    head = ["arm", "seeds", "base", "peak", "final"] + ["final - base"] * gain + ["peak - final", "cliffs"] \
-        + [f"{k} {r}" for k, r in mech]
+    head = ["arm", "seeds", "base", "peak", "final"] + ["final - base"] * gain + ["peak - final"] \
+        + [f"cliff/collapse/flat, D={d:g}" for d in SENSITIVITY] + [f"{k} {r}" for k, r in mech]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in [a for a in st.order if a in rows] + sorted(set(rows) - set(st.order)):
         row = rows[name]
         cells = [name, _seeds_cell(row["seeds"]), _pm(row["base_acc"]), _pm(row["peak_acc"]), _pm(row["final_acc"])] \
-            + [_pm(row["gain"])] * gain + [_pm(row["drop"]), f"{row['cliffs']}/{len(row['seeds'])}"] \
+            + [_pm(row["gain"])] * gain + [_pm(row["drop"])] \
+            + [analysis.outcome_text(row["outcomes"][d], short=True) for d in SENSITIVITY] \
             + [_num(row[f"{k}:{r}"]) for k, r in mech]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -424,45 +502,38 @@ def _seeds_cell(units: list) -> str:
 
 def model_lines(study: str, groups: dict, a: str, b: str, measure: str) -> list:
     """A crossed study's contrast model by model (paired by seed where it can be), then across
-    models: the mean of the per-model effects ± its standard error over the models, and whether
-    every model's effect has the sign of that mean."""
+    models: the mean of the per-model effects with each model's own error carried through
+    (intervals.across), and whether every model's effect has the sign of that mean."""
     st, per = STUDIES[study], []
     for m, g in by_model(study, groups).items():
         rows = {name: arm_row(st, name, runs) for name, runs in g.items()}
-        c = contrast(rows, a, b, measure)
-        if c is None:
-            continue
-        p = paired_contrast(rows, a, b, measure)
-        d, e = (p[0], p[1]) if p else (c[0], c[1])
-        per.append((m, d, e, "paired" if p else "unpaired", min(c[2], c[3])))
+        c = contrast(replace(st, crossed=False), rows, a, b, measure)
+        if c is not None:
+            per.append((m, c[1]))
     if not per:
         return []
-    cells = "; ".join(f"m{m} {d:+.1f} ± {'?' if e is None else f'{e:.1f}'} ({k}, {n} seed{'s' * (n != 1)})"
-                      for m, d, e, k, n in per)
-    out = [f"  - per toy model: {cells}"]
+    out = ["  - per toy model: " + "; ".join(f"m{m} {e.text()}" for m, e in per)]
     if len(per) > 1:
-        mean, se = _mean_se([d for _, d, _, _, _ in per])
-        same = all((d > 0) == (mean > 0) and d != 0 for _, d, _, _, _ in per)
-        out.append(f"  - across toy models: {mean:+.1f} ± {se:.1f} points (mean ± standard error of the {len(per)} "
-                   f"per-model effects); the sign {'held' if same else 'did not hold'} on every model")
+        e = intervals.across([e for _, e in per])
+        mean = sum(x.mean for _, x in per) / len(per)
+        same = all((x.mean > 0) == (mean > 0) and x.mean != 0 for _, x in per)
+        what = (f"{e.text()}: {e.verdict()}" if e else f"{mean:+.1f} (a model with one unit has no error of its "
+                "own: no interval)")
+        out.append(f"  - across toy models (each model weighing the same, its own error carried through): {what}; "
+                   f"the sign {'held' if same else 'did not hold'} on every model")
     return out
 
 
 def contrast_lines(study: str, rows: dict, groups: dict | None = None) -> list:
-    out = []
-    for a, b in STUDIES[study].contrasts:
-        for measure in STUDIES[study].measures:
-            c = contrast(rows, a, b, measure)
+    st, out = STUDIES[study], []
+    for a, b in st.contrasts:
+        for measure in st.measures:
+            c = contrast(st, rows, a, b, measure)
             if c is None:
                 continue
-            d, e, na, nb = c
-            out.append(f"- {MEASURES[measure]}, {a} minus {b}: {d:+.1f} ± {'?' if e is None else f'{e:.1f}'} "
-                       f"points (mean ± standard error over seeds; {na} and {nb} seeds)")
-            p = paired_contrast(rows, a, b, measure) if STUDIES[study].paired else None
-            if p is not None:
-                out.append(f"  - paired by seed: {p[0]:+.1f} ± {p[1]:.1f} points (mean ± standard error of the "
-                           f"per-seed differences; {p[2]} seeds)")
-            if STUDIES[study].crossed and groups:
+            how, e = c
+            out.append(f"- {MEASURES[measure]}, {a} minus {b}, {how}, in points: {e.text()}; {e.verdict()}")
+            if st.crossed and groups:
                 out += model_lines(study, groups, a, b, measure)
     return out
 
@@ -480,16 +551,46 @@ def report_text(study: str) -> str:
     code = "; ".join(f"commit {(o[0] or '?')[:7]}{' (dirty)' if o[1] else ''} and toy model {(o[2] or '?')[:12]}"
                      + by.format(*o[3:]) + (f", shipped as toy_models/{shipped[o[2]]}" if o[2] in shipped else
                                             ", not shipped") for o in origins)
-    n = sum(len(r) for r in groups.values())
-    parts = [f"{n} run{'s' if n > 1 else ''} in results/{study}/, from {code}. "
-             "Accuracy in %, mean ± standard error over seeds; mechanisms: means over seeds "
+    mine = os.path.join(RESULTS, study) + os.sep
+    n = sum(run["folder"].startswith(mine) for r in groups.values() for run, _ in r)
+    lent = sum(len(r) for r in groups.values()) - n
+    borrowed = f" and {lent} of results/{st.borrows}/ (the arms they share)" if st.borrows else ""
+    parts = [f"{n} run{'s' if n != 1 else ''} in results/{study}/{borrowed}, from {code}. "
+             "Accuracy in %, mean ± standard error over seeds (two seeds: no error, n=2); outcomes: terminal "
+             "cliffs / early collapses / runs that did not learn, of n, at two drops D (analysis.OUTCOME_RULE, "
+             f"a learned peak {analysis.LEARN_MARGIN:g} points above step 0); contrasts: mean, standard error and "
+             "t-based 95% interval, paired where the arms share a unit (intervals.py); mechanisms: means over seeds "
              "(displacement: the adapter's move per training step; len: tokens in the last tenth "
              "of training; parse_fail: at the last evaluation; share: of the step's gradient mass"
              + ("; move_cos: cosine between the role's descent direction and the shared adapter's "
                 "move, whose displacement is shown once, under the first role" if "move_cos" in st.mechanisms else "")
+             + ("; own_change: the run's end minus its untrained model, in points, of the generator's own accuracy "
+                "(one voter) and of the aggregator's selection accuracy (right picks when some voter is right)"
+                if "own_change" in st.mechanisms else "")
              + ").",
              "", table(study, rows), "", *contrast_lines(study, rows, groups)]
+    if "own_change" in st.mechanisms:
+        parts += ["", roles_table(study, groups)]
     return "\n".join(parts).rstrip()
+
+
+def roles_table(study: str, groups: dict) -> str:
+    """Each run evaluated role by role (ROLES): the run's accuracy, the generator's own and the
+    aggregator's selection accuracy, untrained -> end, in %."""
+    st = STUDIES[study]
+    lines = ["| arm | unit | run: step 0 -> end | generator alone | selection (oracle at the end) |", "|---|---|---|---|---|"]
+    for name in [a for a in st.order if a in groups]:
+        for run, s in sorted(groups[name], key=lambda x: str(unit(st, *x))):
+            r = run.get("roles")
+            if not r:
+                continue
+            many = f"{r['voters']} voters"
+            pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
+            lines.append(f"| {name} | {unit(st, run, s)} | {pct(s['base_acc'])} -> {pct(s['final_acc'])} | "
+                         f"{pct(r['start']['one voter']['acc'])} -> {pct(r['end']['one voter']['acc'])} | "
+                         f"{pct(r['start'][many]['selection_acc'])} -> {pct(r['end'][many]['selection_acc'])} "
+                         f"({pct(r['end'][many]['oracle_rate'])}) |")
+    return "\n".join(lines) if len(lines) > 2 else "No run has been evaluated role by role yet (studies.py roles)."
 
 
 def write_block(study: str, text: str, page: str = PAGE) -> None:
@@ -536,6 +637,11 @@ def main(argv=None):
                         "a sweep rerun there skips them (on a new machine)")
     rs.add_argument("study", choices=list(STUDIES))
     rs.add_argument("worktree", help="the study's git worktree (pinned at the study's commit)")
+    ro = sub.add_parser("roles", help="evaluate finished Voting runs' ends role by role (ROLES in each run "
+                        "folder, which keep then keeps), with the study worktree's eval.py")
+    ro.add_argument("worktree", help="the study's git worktree (pinned at the runs' commit)")
+    ro.add_argument("runs", nargs="+", help="run folders, or folders holding them; a run with ROLES is skipped")
+    ro.add_argument("--problems", type=int, default=256, help="held-out problems per evaluation (default: %(default)s)")
     r = sub.add_parser("report", help="print each study's table and contrasts, from results/ alone")
     r.add_argument("studies", nargs="*", metavar="STUDY", help=f"of {', '.join(STUDIES)} (default: all)")
     r.add_argument("--write", action="store_true", help="also rewrite their blocks in docs/RESULTS.md and figures")
@@ -550,6 +656,8 @@ def main(argv=None):
             except (ValueError, OSError) as e:
                 print(f"skipped: {e}", file=sys.stderr)
         return
+    if args.cmd == "roles":
+        return _roles_cli(args)
     if args.cmd == "restore":
         for folder in restore(args.study, args.worktree):
             print(f"restored {folder}")
@@ -562,6 +670,21 @@ def main(argv=None):
             figure = write_figure(study)
             if figure:
                 print(f"figure: {figure}")
+
+
+def _roles_cli(args) -> None:
+    cache = {}
+    for run in [r for folder in args.runs for r in run_folders(folder)]:
+        if os.path.isfile(os.path.join(run, ROLES)) or not os.path.isdir(os.path.join(run, "ckpt-last")):
+            print(f"skipped {run}: {'has ' + ROLES if os.path.isfile(os.path.join(run, ROLES)) else 'no ckpt-last'}",
+                  file=sys.stderr)
+            continue
+        roles = role_evals(run, args.worktree, args.problems, cache)
+        with open(os.path.join(run, ROLES + ".tmp"), "w") as f:
+            json.dump(roles, f, indent=1)
+        os.replace(os.path.join(run, ROLES + ".tmp"), os.path.join(run, ROLES))
+        print(f"{run}: generator alone {100 * roles['start']['one voter']['acc']:.1f} -> "
+              f"{100 * roles['end']['one voter']['acc']:.1f}", flush=True)
 
 
 def figure_values(study: str) -> tuple:

@@ -75,5 +75,7 @@ def test_one_and_two_units_are_written_without_an_error():
     two = I.sample([3.0, 5.0])
     assert two.text() == "+4.0 (n = 2: +3.0, +5.0)"
     assert "±" not in two.text()
-    assert I.welch([1.0], [4.0, 5.0]).text() == "-3.5 (n = 1 and 2, no error)"
+    assert I.welch([1.0], [4.0, 5.0]).text() == "-3.5 (n = 1 and 2: too few for an interval)"
+    assert I.welch([1.0, 2.0], [4.0, 5.0, 7.0]).ci() is None              # an arm of 2: no interval either
+    assert I.welch([1.0, 2.0], [4.0, 5.0, 7.0]).verdict() == "too few units for an interval: not told apart"
     assert I.sample([None, None]) is None

@@ -8,6 +8,7 @@ import os
 import pytest
 
 import analysis
+import intervals
 import studies
 from test_analysis import _with_config, synthetic_run
 
@@ -138,14 +139,16 @@ def test_capture_contrasts_the_gain_and_the_drop_where_toy_models_start_apart(tm
     lines = studies.report_text("capture").splitlines()
 
     def contrast(measure):
-        return next(x for x in lines if x.startswith(f"- {measure}, eval_opt, L=24 minus eval_opt, L=0:"))
-    assert "-16.0 ± 3.2 points" in contrast("final accuracy")              # 33 against 49: se 3 and 1
-    assert "-6.0 ± 3.2 points" in contrast("the gain (final minus step 0)")  # 1 against 7: se 1 and 3
-    assert "+4.0 ± 1.4 points" in contrast("the drop from the peak")         # 5 against 1: se 1 and 1
+        return next(x for x in lines if x.startswith(f"- {measure}, eval_opt, L=24 minus eval_opt, L=0, unpaired"))
+    # two seeds an arm: the difference, and no interval (an arm of 2 gives none)
+    assert contrast("final accuracy").endswith(": -16.0 (n = 2 and 2: too few for an interval); "
+                                               "too few units for an interval: not told apart")   # 33 against 49
+    assert ": -6.0 (n = 2 and 2" in contrast("the gain (final minus step 0)")   # 1 against 7
+    assert ": +4.0 (n = 2 and 2" in contrast("the drop from the peak")          # 5 against 1
     assert not any("L=8 minus" in x for x in lines)                          # an arm without runs: no contrast
     assert not any("paired by seed" in x for x in lines)   # each L is its own toy model: its seeds are not pairs
     assert "| final - base | peak - final |" in lines[2]
-    assert "| eval_opt, L=24 | 0,1 | 32.0 ± 2.0 | 38.0 ± 2.0 | 33.0 ± 3.0 | 1.0 ± 1.0 | 5.0 ± 1.0 | 0/2 |" \
+    assert "| eval_opt, L=24 | 0,1 | 32.0 (n=2) | 38.0 (n=2) | 33.0 (n=2) | 1.0 (n=2) | 5.0 (n=2) | 0/0/2 of 2 |" \
         in "\n".join(lines)
     names, values = studies.figure_values("capture")                      # the figure shows the same measures
     assert list(values)[:3] == ["final accuracy (%)", "final - step 0 (points)", "peak - final (points)"]
@@ -173,24 +176,30 @@ def test_restore_puts_kept_runs_back_where_a_sweep_rerun_skips_them(tmp_path, mo
 def test_arms_contrasts_and_the_table(tmp_path, monkeypatch):
     monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
     runs = tmp_path / "runs"
-    finals = {("N=8", 0): 0.30, ("N=8", 1): 0.40, ("N=1", 0): 0.50, ("N=1", 1): 0.56,
-              ("N=8, equal steps", 0): 0.45, ("N=8, equal steps", 1): 0.49}
+    finals = {("N=8", 0): 0.30, ("N=8", 1): 0.40, ("N=8", 2): 0.41, ("N=1", 0): 0.50, ("N=1", 1): 0.56,
+              ("N=1", 2): 0.52, ("N=8, equal steps", 0): 0.45, ("N=8, equal steps", 1): 0.49}
     for (arm, seed), final in finals.items():
         n = int(arm.split(",")[0][2:])
         extra = {"mini_batch": 1024} if "equal" in arm else {"mini_batch": 128}
         folder = finished(runs, f"{arm}-{seed}".replace(" ", "").replace(",", "-").replace("=", ""), seed,
-                          [0.5, 0.6, final], n_voters=n, **extra)
+                          [0.5, 0.6, final, final], n_voters=n, **extra)
         studies.keep("amplification", folder)
     text = studies.report_text("amplification")
-    d = (0.35 - 0.53) * 100
-    se = math.sqrt(5.0 ** 2 + 3.0 ** 2)   # 30, 40 and 50, 56: standard errors 5 and 3
-    line = next(x for x in text.splitlines() if x.startswith("- final accuracy, N=8 minus N=1"))
-    assert f"{d:+.1f} ± {se:.1f} points" in line and "2 and 2 seeds" in line
-    paired = text.splitlines()[text.splitlines().index(line) + 1]   # seed 0: 30 - 50, seed 1: 40 - 56
-    assert paired.strip() == "- paired by seed: -18.0 ± 2.0 points (mean ± standard error of the per-seed differences; 2 seeds)"
-    assert "| N=8, equal steps | 0,1 | 50.0 ± 0.0 | 60.0 ± 0.0 | 47.0 ± 2.0 | 13.0 ± 2.0 | 0/2 |" in text
+    line = next(x for x in text.splitlines() if x.startswith("- final accuracy, N=8 minus N=1,"))
+    # paired by seed: 30 - 50, 40 - 56, 41 - 52 = -20, -16, -11: mean -15.67, sd 4.509, se 2.603, df 2
+    se = math.sqrt(sum((x + 47 / 3) ** 2 for x in (-20, -16, -11)) / 2 / 3)
+    h = 4.302653 * se
+    assert line == (f"- final accuracy, N=8 minus N=1, paired by seed, in points: -15.7 ± {se:.1f} (95% CI "
+                    f"[{-47 / 3 - h:+.1f}, {-47 / 3 + h:+.1f}], n = 3, df 2); the interval excludes 0: the arms differ")
+    two = next(x for x in text.splitlines() if x.startswith("- final accuracy, N=8 minus N=8, equal steps,"))
+    assert two.endswith("-12.0 (n = 2: -15.0, -9.0); too few units for an interval: not told apart")   # no ± 0.0
+    # a learned peak (+10 at step 10), then the last two evaluations 15 or 11 points below it: a
+    # terminal cliff at D=10, none at D=20; N=8 ends 30, 20 and 19 below: 3 cliffs at D=10, 2 at D=20
+    assert "| N=8, equal steps | 0,1 | 50.0 (n=2) | 60.0 (n=2) | 47.0 (n=2) | 13.0 (n=2) | 2/0/0 of 2 | 0/0/0 of 2 |" \
+        in text
+    assert "| N=8 | 0,1,2 | 50.0 ± 0.0 | 60.0 ± 0.0 | 37.0 ± 3.5 | 23.0 ± 3.5 | 3/0/0 of 3 | 2/0/0 of 3 |" in text
     assert text.index("| N=1 |") < text.index("| N=8 |") < text.index("| N=8, equal steps |")   # the study's order
-    assert "6 runs in results/amplification/, from commit aaaaaaa and toy model bbbbbbbbbbbb" in text
+    assert "8 runs in results/amplification/, from commit aaaaaaa and toy model bbbbbbbbbbbb" in text
 
 
 def test_a_block_is_rewritten_in_place(tmp_path):
@@ -236,10 +245,51 @@ def test_credit_crosses_the_toy_model_with_the_arms_and_gives_each_contrast_per_
     assert "toy model eeeeeeeeeeee (toy_seed 1), not shipped" in text
     assert "| N=2, own | m0: 0,1; m1: 0,1 |" in text
     lines = text.splitlines()
-    at = lines.index(next(x for x in lines if x.startswith("- final accuracy, N=2, own minus N=2, final:")))
-    assert "-6.0 ± 5.1 points" in lines[at] and "4 and 4 seeds" in lines[at]   # 37 ± 3.1 against 43 ± 4.0
-    assert lines[at + 1].strip().startswith("- paired by seed: -6.0 ± 1.6 points")   # -10, -6, -6, -2
-    assert lines[at + 2].strip() == "- per toy model: m0 -8.0 ± 2.0 (paired, 2 seeds); m1 -4.0 ± 2.0 (paired, 2 seeds)"
-    assert lines[at + 3].strip() == ("- across toy models: -6.0 ± 2.0 points (mean ± standard error of the 2 per-model "
-                                     "effects); the sign held on every model")
+    at = lines.index(next(x for x in lines if x.startswith("- final accuracy, N=2, own minus N=2, final,")))
+    # paired by model and seed: -10, -6, -6, -2 (mean -6, sd 3.27, se 1.63, df 3)
+    assert lines[at].startswith("- final accuracy, N=2, own minus N=2, final, paired by model and seed, in points: "
+                                "-6.0 ± 1.6 (95% CI [-11.2, -0.8], n = 4, df 3)")
+    assert lines[at + 1].strip() == "- per toy model: m0 -8.0 (n = 2: -10.0, -6.0); m1 -4.0 (n = 2: -6.0, -2.0)"
+    # across models: the models' own errors (2.0 each, df 1) carried through, not the spread of -8 and -4
+    # alone: var = (4 + 4) / 4, and tau^2 = max(0, 8 - 4) = 4 adds 4 / 2 = 2: se 2.0 on Satterthwaite's df
+    e = intervals.across([intervals.Estimate(-8.0, 2.0, 1, 2), intervals.Estimate(-4.0, 2.0, 1, 2)])
+    assert e.se == pytest.approx(2.0)
+    assert lines[at + 2].strip() == ("- across toy models (each model weighing the same, its own error carried "
+                                     f"through): {e.text()}: {e.verdict()}; the sign held on every model")
 
+
+def _roles(start_one, end_one, start_sel, end_sel, voters=8):
+    def ev(acc, sel):
+        return {"acc": acc, "selection_acc": sel, "oracle_rate": 0.9}
+    return {"problems": 256, "voters": voters, "commit": "a" * 40,
+            "start": {"one voter": ev(start_one, None), f"{voters} voters": ev(0.5, start_sel)},
+            "end": {"one voter": ev(end_one, None), f"{voters} voters": ev(0.3, end_sel)}}
+
+
+def test_voterfall_borrows_credits_arms_and_shows_each_runs_roles(tmp_path, monkeypatch):
+    """The 2x2 holds its own one-step runs and the credit study's N=1 and 8-step runs of one
+    commit; a run's roles.json (its end evaluated role by role) is kept with it and read into
+    the per-run table and the own_change columns; a run of another commit is refused."""
+    monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
+    runs = tmp_path / "runs"
+    for seed in (0, 1, 2):
+        studies.keep("credit", finished(runs / "d", f"n1-s{seed}", seed, [0.5, 0.55, 0.6, 0.6], n_voters=1))
+        studies.keep("credit", finished(runs / "d", f"n2-s{seed}", seed, [0.5, 0.55, 0.6, 0.6], n_voters=2))
+        d = finished(runs / "d", f"n8-s{seed}", seed, [0.5, 0.4, 0.3, 0.3], n_voters=8, mini_batch=128)
+        with open(os.path.join(d, studies.ROLES), "w") as f:
+            json.dump(_roles(0.5, 0.25, 0.8, 0.75), f)
+        studies.keep("credit", d)
+        studies.keep("voterfall", finished(runs / "e", f"n8b-s{seed}", seed, [0.5, 0.5, 0.45 + 0.01 * seed, 0.5],
+                                           n_voters=8, mini_batch=1024))
+    groups = studies.arms("voterfall")
+    assert sorted(groups) == ["N=1", "N=8, final, 1 step", "N=8, final, 8 steps"]   # credit's N=2 is not an arm here
+    text = studies.report_text("voterfall")
+    assert text.startswith("3 runs in results/voterfall/ and 6 of results/credit/ (the arms they share)")
+    assert "| N=8, final, 8 steps | (0, 0) | 50.0 -> 30.0 | 50.0 -> 25.0 | 80.0 -> 75.0 (90.0) |" in text
+    row = next(x for x in text.splitlines() if x.startswith("| N=8, final, 8 steps | m0: 0,1,2 |"))
+    assert row.endswith("| -25 | -5 |")          # own_change: generator alone -25 points, selection -5
+    assert "- final accuracy, N=8, final, 1 step minus N=1, paired by model and seed" in text
+    other = finished(runs / "e", "n8b-other", 3, [0.5, 0.5, 0.5], n_voters=8, mini_batch=1024,
+                     provenance={**ORIGIN, "commit": "c" * 40})
+    with pytest.raises(ValueError, match="differ from the study's runs"):
+        studies.keep("voterfall", other)   # it could not pair with credit's runs
