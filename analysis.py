@@ -47,6 +47,9 @@ without a `done` file is unfinished.
   since the evaluation before the cliff step (or the last --pre-cliff-steps), "just before",
   against the average over every step before those, "earlier".
 - Capture, for Shared runs: the dominant role's length, parse-fail and code-block drift.
+- The failure signature of a run that fell: each role's length, parser fallback rate and
+  gradient share that left where it stood up to the peak (DEPARTS, sustained for SUSTAIN
+  steps), earliest first, so that which role changed first can be read beside the fall.
 
 The report (`--report PATH`): the map, the cell table (with min..max), Shared against Isolated,
 before the cliff, capture under Shared, the mechanism table and per-cell figures, and the run
@@ -393,6 +396,46 @@ def before_cliff(metrics: list, evals: list, cliff_step, steps: int | None = Non
             "coherence": split(keyed_series(metrics, "coherence")), "grad_norm": split(role_series(metrics, key))}
 
 
+# A role's signal departs from where it stood up to the peak when it moves this far and stays
+# there for SUSTAIN training steps in a row: length in tokens (and half of itself), the parser's
+# fallback rate, the share of the step's gradient mass.
+DEPARTS = {"len": lambda base: max(3.0, 0.5 * base), "fallback_rate": lambda base: 0.25, "grad_share": lambda base: 0.2}
+SUSTAIN = 3
+
+
+def _departure(series: list, ref_end: int, far):
+    """(step, baseline, value) where `series` [(step, value)] first leaves its mean over the
+    steps up to ref_end (the first SUSTAIN values when none is that early) by far(baseline) for
+    SUSTAIN steps in a row; None if it never does."""
+    ref = [v for t, v in series if t <= ref_end]
+    after = [(t, v) for t, v in series if t > ref_end]
+    if not ref:
+        ref, after = [v for _, v in series[:SUSTAIN]], series[SUSTAIN:]
+    if not ref:
+        return None
+    base, run = sum(ref) / len(ref), 0
+    for i, (t, v) in enumerate(after):
+        run = run + 1 if abs(v - base) >= far(base) else 0
+        if run == SUSTAIN:
+            first = after[i - SUSTAIN + 1]
+            return first[0], base, first[1]
+    return None
+
+
+def failure_signature(metrics: list, s: dict) -> list:
+    """For a run that fell: each role's signal (DEPARTS) that left where it stood up to the peak,
+    as (step, role, signal, before, after), earliest first; [] for a run that did not fall."""
+    if not s.get("fell"):
+        return []
+    events = []
+    for key, far in DEPARTS.items():
+        for role, series in role_series(metrics, key).items():
+            d = _departure(series, s["peak_step"] or 0, far)
+            if d is not None:
+                events.append((d[0], role, key, d[1], d[2]))
+    return sorted(events)
+
+
 def capture(metrics: list, evals: list, role: str | None) -> dict | None:
     """Drift of one role (the dominant one, under Shared) between the first and last tenth:
     length in tokens (metrics.jsonl), parse-fail and code-block rates (eval.jsonl)."""
@@ -431,6 +474,7 @@ def analyse_run(folder: str, cliff_drop: float = CLIFF_DROP, cliff_window: int =
     out["mechanisms"] = m = mechanisms(run["metrics"], run["evals"])
     out["pre_cliff"] = before_cliff(run["metrics"], run["evals"], out["cliff_step"], pre_cliff_steps)
     out["capture"] = capture(run["metrics"], run["evals"], m["dominant_role"]) if out["sharing"] == "shared" else None
+    out["signature"] = failure_signature(run["metrics"], out)
     out["plots"] = []
     return out
 

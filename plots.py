@@ -503,6 +503,36 @@ def plot_arms(title: str, arms: list, values: dict, path: str) -> str:
     return path
 
 
+def plot_curves(title: str, panels: dict, path: str) -> str:
+    """Accuracy curves side by side: `panels` {panel title: [(label, [(step, %)])]}, one line a
+    run, coloured by the sharing mode its label starts with (Shared blue, Isolated orange)."""
+    Figure = _figure_class()
+    cols = min(len(panels), 4)
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(3.6 * cols, 1.0 + 2.6 * rows))
+    axes = fig.subplots(rows, cols, sharey=True, squeeze=False).ravel()
+    fig.suptitle(title, fontsize=11)
+    for ax, (name, lines) in zip(axes, panels.items()):
+        seen = set()
+        for label, pts in lines:
+            kind = label.split()[0]
+            color = SHARING_COLORS.get(kind, "0.35")
+            ax.plot(*zip(*pts), lw=1.0, color=color, alpha=0.8, label=None if kind in seen else kind)
+            seen.add(kind)
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    for ax in axes[::cols]:
+        ax.set_ylabel("eval accuracy (%)")
+    for ax in axes[-cols:]:
+        ax.set_xlabel("training step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
 def _stat_line(ax, x, stats, color, label, ls, scale=1.0):
     """Means with a min..max band, skipping points without a value."""
     pts = [(xi, st) for xi, st in zip(x, stats) if st]

@@ -96,6 +96,11 @@ def _voterfall_arm(cfg: dict) -> str:
     return f"N={n}, {cfg.get('credit') or 'final'}, {steps} step{'s' * (steps != 1)}"
 
 
+def _map_arm(cfg: dict) -> str:
+    """The map's arm: the workflow and its sharing (single has one role: sharing means nothing)."""
+    return "single" if cfg.get("workflow") == "single" else f"{cfg.get('workflow')}, {cfg.get('sharing')}"
+
+
 def _damping_arm(cfg: dict) -> str:
     arm = "placebo" if cfg.get("damp_placebo") else "damping" if cfg.get("coherence_damp") else "none"
     return f"{cfg.get('workflow')}, {arm}"
@@ -115,14 +120,27 @@ class Study:
     crossed: bool = False                         # model_by is a factor crossed with the arms: a run is (model, seed)
     mechanisms: list = field(default_factory=lambda: ["displacement", "len", "parse_fail"])
     measures: tuple = ("final_acc",)              # what the contrasts compare (MEASURES)
+    gains: bool = False                           # each arm's gain over step 0, with its interval
+    signatures: bool = False                      # each fallen run's failure signature (analysis.py)
     paired: bool = False                          # a seed's arms share model, problems, step 0: pair by seed
     borrows: str = ""                             # a study (one commit with this) whose kept runs of this one's arms join them
 
 
-MEASURES = {"final_acc": "final accuracy", "gain": "the gain (final minus step 0)", "drop": "the drop from the peak"}
+MEASURES = {"final_acc": "final accuracy", "peak_acc": "peak accuracy", "gain": "the gain (final minus step 0)",
+            "drop": "the drop from the peak"}
+MAP_WORKFLOWS = ("voting", "eval_opt", "orch_workers")
 
 
 STUDIES = {
+    "map": Study(
+        "The map: every workflow under Shared and Isolated, math, the toy default lr (1e-3), 400 steps",
+        _map_arm, ["single"] + [f"{w}, {sh}" for w in MAP_WORKFLOWS for sh in ("shared", "isolated")],
+        [(f"{w}, isolated", f"{w}, shared") for w in MAP_WORKFLOWS],
+        roles=("generator", "aggregator", "evaluator", "orchestrator", "worker", "synthesizer"),
+        mechanisms=["len", "parse_fail"], measures=("peak_acc", "final_acc", "drop"), paired=True,
+        gains=True, signatures=True,
+        runs="python sweep.py --jobs 1 --tasks math --workflows voting eval_opt orch_workers single --seeds S "
+             "--out runs/map -- --steps 400 --eval-every 20 --eval-problems 256 (results/lab.sh part M)"),
     "default": Study(
         "The default run: `python train.py` (Voting / Shared, math, the toy defaults)",
         lambda cfg: f"{cfg.get('workflow')}, {cfg.get('sharing')}", ["voting, shared"], [],
@@ -569,9 +587,39 @@ def report_text(study: str) -> str:
                 if "own_change" in st.mechanisms else "")
              + ").",
              "", table(study, rows), "", *contrast_lines(study, rows, groups)]
+    if st.gains:
+        parts += ["", *gain_lines(study, rows)]
+    if st.signatures:
+        parts += ["", signature_table(study, groups)]
     if "own_change" in st.mechanisms:
         parts += ["", roles_table(study, groups)]
     return "\n".join(parts).rstrip()
+
+
+def gain_lines(study: str, rows: dict) -> list:
+    """Each arm's gain over its runs' own step 0 (final and peak), with its interval."""
+    st, out = STUDIES[study], []
+    for name in [a for a in st.order if a in rows]:
+        e = rows[name]["gain"]
+        peak = intervals.sample([v["peak_acc"] - v["base_acc"] for v in rows[name]["by_seed"].values()
+                                 if v["peak_acc"] is not None and v["base_acc"] is not None])
+        out.append(f"- gain over step 0, {name}, in points: final {e.text()}; peak {peak.text()}")
+    return out
+
+
+def signature_table(study: str, groups: dict, shown: int = 3) -> str:
+    """Each run that fell: its outcome and fall step, and the first `shown` role signals that
+    left where they stood up to the peak (analysis.failure_signature), earliest first."""
+    st = STUDIES[study]
+    lines = ["| arm | seed | outcome | peak -> fall step | first changes (step: role signal before -> after) |",
+             "|---|---|---|---|---|"]
+    for name in [a for a in st.order if a in groups]:
+        for run, s in sorted(groups[name], key=lambda x: str(unit(st, *x))):
+            if not s.get("fell"):
+                continue
+            sig = "; ".join(f"{t}: {r} {k} {a:.3g} -> {b:.3g}" for t, r, k, a, b in s["signature"][:shown]) or "none"
+            lines.append(f"| {name} | {unit(st, run, s)} | {s['outcome']} | {s['peak_step']} -> {s['fall_step']} | {sig} |")
+    return "\n".join(lines) if len(lines) > 2 else "No run fell."
 
 
 def roles_table(study: str, groups: dict) -> str:
@@ -709,13 +757,29 @@ def figure_values(study: str) -> tuple:
     return names, values
 
 
+def curve_values(study: str) -> dict:
+    """{workflow: [(sharing + seed label, [(step, accuracy %)])]}: every run's evaluations."""
+    out = {}
+    for name, runs in arms(study).items():
+        for run, s in runs:
+            wf, _, sharing = name.partition(", ")
+            pts = [(r["step"], 100 * r["acc"]) for r in run["evals"]]
+            out.setdefault(wf, []).append((f"{sharing or 'single'} seed {s['seed']}", pts))
+    order = {a.partition(", ")[0]: i for i, a in enumerate(STUDIES[study].order)}
+    return {wf: sorted(out[wf]) for wf in sorted(out, key=lambda w: order.get(w, len(order)))}
+
+
 def write_figure(study: str) -> str | None:
-    """docs/figures/study-STUDY.png: figure_values's panels, each seed a dot, mean ± se a bar."""
+    """docs/figures/study-STUDY.png: figure_values's panels, each seed a dot, mean ± se a bar; for
+    a study with gains (the map), also study-STUDY-curves.png, every run's accuracy curve."""
     names, values = figure_values(study)
     if not names:
         return None
     import plots
     os.makedirs(FIGURES, exist_ok=True)
+    if STUDIES[study].gains:
+        plots.plot_curves(STUDIES[study].title + ": every run", curve_values(study),
+                          os.path.join(FIGURES, f"study-{study}-curves.png"))
     return plots.plot_arms(STUDIES[study].title, names, values, os.path.join(FIGURES, f"study-{study}.png"))
 
 

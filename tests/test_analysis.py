@@ -521,3 +521,26 @@ def plots_available():
         return True
     except ImportError:
         return False
+
+
+def test_failure_signature_names_the_role_that_changed_first():
+    """A run that learns, then falls: its evaluator's length leaves its 3 tokens at step 14 and
+    stays, its fallback rate follows at step 16; the generator's share drifts by less than the
+    threshold. A run that did not fall has no signature."""
+    metrics = []
+    for t in range(1, 31):
+        ev_len = 3.0 if t < 14 else 40.0
+        fb = 0.0 if t < 16 else 0.9
+        metrics.append({"step": t, "roles": {"generator": {"len": 18.0, "grad_share": 0.7 + 0.001 * t},
+                                             "evaluator": {"len": ev_len, "fallback_rate": fb,
+                                                           "grad_share": 0.3 - 0.001 * t}}})
+    evals = _curve([40, 60, 55, 20, 15, 10], every=6)   # peak at step 6, a terminal cliff
+    s = analysis.accuracy_summary(evals)
+    assert s["outcome"] == "terminal cliff"
+    sig = analysis.failure_signature(metrics, s)
+    assert [(t, r, k) for t, r, k, _, _ in sig] == [(14, "evaluator", "len"), (16, "evaluator", "fallback_rate")]
+    assert sig[0][3:] == (3.0, 40.0)
+    # a blip shorter than SUSTAIN steps is not a departure
+    blip = [{"step": t, "roles": {"evaluator": {"len": 40.0 if t in (10, 11) else 3.0}}} for t in range(1, 31)]
+    assert analysis.failure_signature(blip, s) == []
+    assert analysis.failure_signature(metrics, analysis.accuracy_summary(_curve([40, 60, 62, 61]))) == []

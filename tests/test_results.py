@@ -293,3 +293,27 @@ def test_voterfall_borrows_credits_arms_and_shows_each_runs_roles(tmp_path, monk
                      provenance={**ORIGIN, "commit": "c" * 40})
     with pytest.raises(ValueError, match="differ from the study's runs"):
         studies.keep("voterfall", other)   # it could not pair with credit's runs
+
+
+def test_the_map_pairs_isolated_with_shared_gives_each_arms_gain_and_each_falls_signature(tmp_path, monkeypatch):
+    monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
+    runs = tmp_path / "runs"
+    curves = {("shared", 0): [0.5, 0.6, 0.7, 0.7], ("shared", 1): [0.5, 0.62, 0.66, 0.7], ("shared", 2): [0.4, 0.5, 0.6, 0.6],
+              ("isolated", 0): [0.5, 0.8, 0.3, 0.2], ("isolated", 1): [0.5, 0.7, 0.75, 0.74],
+              ("isolated", 2): [0.4, 0.6, 0.55, 0.6]}
+    for (sharing, seed), accs in curves.items():
+        folder = synthetic_run(runs, "eval_opt", "math", sharing, seed=seed, lr=1e-3, accs=accs, steps=30,
+                               eval_every=10, name=f"{sharing}-s{seed}")
+        _with_config(folder, provenance=ORIGIN)
+        open(os.path.join(folder, "done"), "w").close()
+        studies.keep("map", folder)
+    text = studies.report_text("map")
+    # peak, paired by seed: 80 - 70, 75 - 70, 60 - 60 = +10, +5, 0
+    assert "- peak accuracy, eval_opt, isolated minus eval_opt, shared, paired by seed, in points: +5.0 ± 2.9" in text
+    assert "- gain over step 0, eval_opt, shared, in points: final +20.0 ± 0.0" in text     # 20, 20, 20
+    assert "| eval_opt, isolated | 0,1,2 |" in text and "| 1/0/0 of 3 | 1/0/0 of 3 |" in text   # seed 0: 80 -> 30, 20
+    # the fallen run's row; the synthetic run's roles never change, so no signal left its place
+    assert "| eval_opt, isolated | 0 | terminal cliff | 10 -> 20 | none |" in text
+    curves_ = studies.curve_values("map")
+    assert list(curves_) == ["eval_opt"] and len(curves_["eval_opt"]) == 6
+    assert curves_["eval_opt"][0][0] == "isolated seed 0" and curves_["eval_opt"][0][1][1] == (10, 80.0)
