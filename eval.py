@@ -400,7 +400,10 @@ def resolve_settings(args) -> tuple:
     if not st["data"]:
         raise ValueError(f"--task {st['task']} has no default data set at this scale; pass --data")
     st["params"] = _workflow_params(args, cfg, st["workflow"])
-    st["toy_check"], st["toy_seed"] = cfg.get("toy_check") or 0, cfg.get("toy_seed") or 0
+    st["toy_check"] = cfg.get("toy_check") or 0
+    st["toy_seed"] = args.toy_seed if args.toy_seed is not None else cfg.get("toy_seed") or 0
+    if args.toy_seed is not None and (st["scale"] != "toy" or args.toy_seed < 0):
+        raise ValueError("--toy-seed is a toy model's warm-start seed (>= 0, at --scale toy)")
     default_new, default_prompt, default_embed = tasks.length_limits(st["scale"], st["task"])
     st["max_new_tokens"] = st["max_new_tokens"] or default_new
     st["max_prompt_tokens"] = st["max_prompt_tokens"] or default_prompt
@@ -676,6 +679,8 @@ def _parser():
     e.add_argument("--scale", default=None, help="toy, 0.6b, 1.7b, 4b, or a local model folder (default: toy)")
     e.add_argument("--sharing", default=None, choices=["shared", "isolated"], help="adapter sharing (default: shared)")
     e.add_argument("--isolation", default=None, choices=["lora", "full"], help="what a role's weights are (default: lora)")
+    e.add_argument("--toy-seed", type=int, default=None, help="toy world only: the toy model's warm-start seed "
+                   "(train.py's --toy-seed; default: the checkpoint run's, else 0)")
     flags.add_workflow_flags(e)   # unset: the checkpoint run's, else the workflow's default
     e.add_argument("--samples", type=int, default=1, help="episodes per problem; > 1 adds unbiased pass@k")
     e.add_argument("--problems", type=int, default=None, help="test problems to draw (capped at the split's size); "

@@ -195,7 +195,7 @@ STUDIES = {
         paired=True, model_by="toy_seed", crossed=True, borrows="credit",
         runs="the credit study's N=8 cells with --axis mini-batch=1024 (one generator step per training step; "
              "results/lab.sh part F); N=1 and the 8-step arms are the credit study's runs; every N=8 run's end "
-             "evaluated role by role with `python studies.py roles WORKTREE RUN...`"),
+             "evaluated role by role with `python studies.py roles RUN...`"),
     "damping": Study(
         "Coherence damping against its placebo and against nothing: Isolated, math, lr 2e-3",
         _damping_arm,
@@ -312,40 +312,49 @@ def _read_roles(folder: str) -> dict | None:
         return json.load(f)
 
 
-def _evaluate(worktree: str, args: list, problems: int) -> dict:
-    """One `eval.py ... --json` of the study's own checkout (its commit's model code), one thread:
-    the accuracy, and the aggregator's selection accuracy and oracle rate where it has them."""
+def _evaluate(args: list, problems: int) -> dict:
+    """One `eval.py ... --json` of this checkout, one thread: the accuracy, and the aggregator's
+    selection accuracy and oracle rate where it has them."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "eval.py", *args, "--problems", str(problems), "--json", "--quiet"],
-                         cwd=worktree, env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, os.path.join(HERE, "eval.py"), *args, "--problems", str(problems), "--json",
+                          "--quiet"], cwd=HERE, env=env, capture_output=True, text=True)
     if out.returncode:
-        raise ValueError(f"eval.py {' '.join(args)} failed in {worktree}: {out.stderr.strip().splitlines()[-1:]}")
+        raise ValueError(f"eval.py {' '.join(args)} failed: {out.stderr.strip().splitlines()[-1:]}")
     r = json.loads(out.stdout)
     agg = r["quality"].get("aggregator") or {}
     return {"acc": r["pass@k"]["1"], "selection_acc": agg.get("selection_acc"), "oracle_rate": agg.get("oracle_rate")}
 
 
-def role_evals(run: str, worktree: str, problems: int = 256, cache: dict | None = None) -> dict:
+def role_evals(run: str, problems: int = 256, cache: dict | None = None) -> dict:
     """Which role carries a Voting run's end: its last checkpoint and its untrained toy model,
-    each evaluated by `worktree`'s eval.py (the run's commit) on `problems` held-out problems
-    with one voter (the generator's own accuracy: one candidate leaves nothing to choose) and
-    with the run's voters (the aggregator's selection accuracy: its pick is right given that
-    some voter is right). `cache` holds the untrained model's evaluations across runs."""
+    each evaluated by this checkout's eval.py (`commit` records which: the toy's evaluations are
+    the same bytes from the studies' commits on, results/checks/) on the run's `problems`
+    held-out problems and its seed's draws, with one voter (the generator's own accuracy: one
+    candidate leaves nothing to choose) and with the run's voters (the aggregator's selection
+    accuracy: its pick is right given that some voter is right). `cache` keeps the untrained
+    model's evaluations across runs."""
     cfg = analysis.read_config(run, quiet=True)
-    n = cfg.get("n_voters") or 3
-    start = ["--workflow", "voting", "--task", cfg.get("task") or "math", "--scale", "toy",
+    n, seed = cfg.get("n_voters") or 3, str(cfg.get("seed") or 0)
+    start = ["--workflow", "voting", "--task", cfg.get("task") or "math", "--scale", "toy", "--seed", seed,
              "--toy-seed", str(cfg.get("toy_seed") or 0), "--sharing", cfg.get("sharing") or "shared"]
-    end = ["--checkpoint", os.path.join(os.path.abspath(run), "ckpt-last")]
+    end = ["--checkpoint", os.path.join(os.path.abspath(run), "ckpt-last"), "--seed", seed]
     cache = {} if cache is None else cache
-    out = {"problems": problems, "voters": n, "commit": (cfg.get("provenance") or {}).get("commit")}
+    out = {"problems": problems, "voters": n, "commit": _head()}
     for when, args in (("start", start), ("end", end)):
         out[when] = {}
         for k in (1, n):
             key = (tuple(args), k)
             if when == "end" or key not in cache:
-                cache[key] = _evaluate(worktree, [*args, "--n-voters", str(k)], problems)
+                cache[key] = _evaluate([*args, "--n-voters", str(k)], problems)
             out[when]["one voter" if k == 1 else f"{n} voters"] = cache[key]
     return out
+
+
+def _head() -> str | None:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                           capture_output=True, text=True).stdout.strip()
+    return (out.stdout.strip() + ("+dirty" if dirty else "")) if out.returncode == 0 else None
 
 
 # ----------------------------------------------------------------------------- the analysis
@@ -685,9 +694,8 @@ def main(argv=None):
                         "a sweep rerun there skips them (on a new machine)")
     rs.add_argument("study", choices=list(STUDIES))
     rs.add_argument("worktree", help="the study's git worktree (pinned at the study's commit)")
-    ro = sub.add_parser("roles", help="evaluate finished Voting runs' ends role by role (ROLES in each run "
-                        "folder, which keep then keeps), with the study worktree's eval.py")
-    ro.add_argument("worktree", help="the study's git worktree (pinned at the runs' commit)")
+    ro = sub.add_parser("roles", help="evaluate finished Voting runs' ends role by role with this checkout's "
+                        "eval.py (ROLES in each run folder, which keep then keeps)")
     ro.add_argument("runs", nargs="+", help="run folders, or folders holding them; a run with ROLES is skipped")
     ro.add_argument("--problems", type=int, default=256, help="held-out problems per evaluation (default: %(default)s)")
     r = sub.add_parser("report", help="print each study's table and contrasts, from results/ alone")
@@ -727,7 +735,7 @@ def _roles_cli(args) -> None:
             print(f"skipped {run}: {'has ' + ROLES if os.path.isfile(os.path.join(run, ROLES)) else 'no ckpt-last'}",
                   file=sys.stderr)
             continue
-        roles = role_evals(run, args.worktree, args.problems, cache)
+        roles = role_evals(run, args.problems, cache)
         with open(os.path.join(run, ROLES + ".tmp"), "w") as f:
             json.dump(roles, f, indent=1)
         os.replace(os.path.join(run, ROLES + ".tmp"), os.path.join(run, ROLES))

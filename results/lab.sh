@@ -13,7 +13,7 @@
 # Rerunning resumes: sweep.py skips done cells and resumes interrupted ones. On a new machine,
 # first put the kept runs back: python studies.py restore STUDY ../study (for each study).
 set -u
-HERE=$(cd "$(dirname "$0")/.." && pwd)   # this checkout: its studies.py evaluates a worktree's runs
+HERE=$(cd "$(dirname "$0")/.." && pwd)   # this checkout: its studies.py evaluates the worktree's runs
 cd "${1:-.}"; shift
 S="python sweep.py --jobs 1 --tasks math"
 C="--steps 60 --eval-every 10 --eval-problems 256"
@@ -50,7 +50,7 @@ credit() {   # model (toy seed) $1, seed $2; the cheap arms (N=1, N=2) or the N=
 }
 voterfall() {   # model (toy seed) $1, seed $2: N=8, both credits, mini-batches of 1024 (one generator step)
   $A --seeds $2 --axis n-voters=8 --axis credit=final,own --axis toy-seed=$1 --axis mini-batch=1024 --out runs/credit -- $C
-  python "$HERE/studies.py" roles . runs/credit/*n-voters8*toy-seed$1-*s$2   # this unit's N=8 runs, role by role
+  python "$HERE/studies.py" roles runs/credit/*n-voters8*toy-seed$1-*s$2   # this unit's N=8 runs, role by role
 }
 map() {   # seed $1: every workflow, Shared and Isolated, and single; 400 steps at the toy default lr
   $S --workflows voting eval_opt orch_workers single --seeds $1 --out runs/map -- --steps 400 --eval-every 20 --eval-problems 256

@@ -374,3 +374,15 @@ def test_the_toy_model_refuses_real_data_in_one_line():
     with pytest.raises(SystemExit) as e:
         ev.main(["--scale", "toy", "--task", "math", "--data", "gsm8k_test100", "--workflow", "single"])
     assert str(e.value.code).startswith("error: --data gsm8k_test100: the toy model") and "--scale" in str(e.value.code)
+
+
+def test_toy_seed_evaluates_another_shipped_toy_model_and_is_refused_elsewhere(capsys):
+    """The untrained toy model of warm-start seed 1 (the credit study's model 1), evaluated on
+    its own; --toy-seed at a real scale is refused in one line before any model loads."""
+    base, _ = _eval_json(capsys, "--workflow", "single", "--task", "math", "--problems", "8")
+    other, _ = _eval_json(capsys, "--workflow", "single", "--task", "math", "--problems", "8", "--toy-seed", "1")
+    assert base["problems"] == other["problems"] == 8
+    assert base["quality"]["roles"]["generator"] != other["quality"]["roles"]["generator"]   # another model's text
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--workflow", "single", "--scale", "0.6b", "--toy-seed", "1"])
+    assert str(e.value.code).startswith("error: --toy-seed is a toy model's warm-start seed")
