@@ -27,15 +27,26 @@ def no_long_run_in_the_repository(monkeypatch):
     monkeypatch.setattr(train, "start_run", guarded)
 
 
+BUILT_IN = ("single", "voting", "eval_opt", "orch_workers")   # the built-in workflows
+TASKS = ("math", "code")                                     # the built-in task kinds
+
+
 @pytest.fixture
 def registries(monkeypatch):
-    """The workflow and task-kind registries, restored after the test: what a test registers
-    leaves no trace in the tests after it."""
+    """Scratch workflow and task-kind registries that hold the built-in ones alone, for the
+    test's own registrations, restored after it: what a fork registers in workflows.py or
+    taskkinds.py (a role named "judge", a kind named "parity", an instruction of its own) cannot
+    collide with a test's, and what a test registers leaves no trace in the tests after it."""
     import taskkinds
     import workflows
-    for name in ("WORKFLOWS", "ROLES", "SLOTS", "PARAMS", "ROLE_KINDS", "ROLE_INSTRUCTIONS"):
-        monkeypatch.setattr(workflows, name, dict(getattr(workflows, name)))
-    monkeypatch.setattr(taskkinds, "TASK_KINDS", dict(taskkinds.TASK_KINDS))
+    roles = {r for w in BUILT_IN for r in workflows.ROLES[w]}
+    for name in ("WORKFLOWS", "ROLES", "SLOTS", "PARAMS", "HEADERS"):
+        monkeypatch.setattr(workflows, name, {w: getattr(workflows, name)[w] for w in BUILT_IN})
+    monkeypatch.setattr(workflows, "ROLE_KINDS", {r: k for r, k in workflows.ROLE_KINDS.items() if r in roles})
+    monkeypatch.setattr(workflows, "ROLE_INSTRUCTIONS", {})   # the built-in workflows register none
+    monkeypatch.setattr(workflows, "REPLACED", set())
+    monkeypatch.setattr(taskkinds, "TASK_KINDS", {t: taskkinds.TASK_KINDS[t] for t in TASKS})
+    monkeypatch.setattr(taskkinds, "REPLACED", set())
 
 
 def tiny_qwen3(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, seed=0, eos=(1, 2)):
