@@ -116,8 +116,9 @@ class Param:
         return self.flag.replace("-", "_")
 
 
-# llm(role, slots, messages_list, keys=None) -> one Call per (slot, messages), in order, text
-# filled in; keys[i] names row i (see `stage`), so that its random draws depend on it alone.
+# llm(role, slots, messages_list, keys=keys) -> one Call per (slot, messages), in order, text
+# filled in; keys[i] names row i, so that its random draws depend on it alone: a workflow calls
+# it through `stage`, which names each row, and a call without keys is refused (_check_stage).
 LLM = Callable[..., list]
 
 
@@ -178,8 +179,8 @@ def instruction(role: str, task: str) -> str:
 def phrases(kinds: tuple | None = None, registered: bool = True) -> tuple[str, ...]:
     """Every fixed string any prompt contains, each once: USER_PHRASES, then the task
     kinds' instructions role by role (each role's for every kind in turn), their revision
-    turns' and defaults, then (`registered`) the workflows' own instructions and headers. `kinds`: only these task
-    kinds (default: every registered one). None holds another or a newline
+    turns' and defaults, then (`registered`) the workflows' own instructions and headers.
+    `kinds`: only these task kinds (default: every registered one). None holds another or a newline
     (taskkinds.check_phrases, at registration and at a run's start); the toy tokenizer makes
     the built-in ones one token each (toy.phrases)."""
     kinds = [taskkinds.TASK_KINDS[k] for k in kinds] if kinds is not None else list(taskkinds.TASK_KINDS.values())
