@@ -24,7 +24,7 @@ SCALE_DEFAULTS = {
 }
 # (toy, paper scale) learning rate per kind of trainable weights: LoRA takes the paper's 2e-5
 # at real scales and 1e-3 in the toy world; full copies of the model move every weight, so they
-# take a lower rate (the toy value from a short lr scan, README "The method in one screen";
+# take a lower rate (the toy value from a short lr scan, docs/RESULTS.md "Full copies' learning rate";
 # 1e-6 is the usual full-parameter GRPO rate at real scales)
 LR = {"lora": (1e-3, 2e-5), "full": (1e-4, 1e-6)}
 # flags that may change on --resume: the rest of the saved configuration wins

@@ -479,7 +479,7 @@ def _write_entry(name, task, warm, folder, transformers_version):
 
 
 def _cpu() -> str:
-    """The CPU's model name (a rebuild elsewhere may differ in the last bits, see README)."""
+    """The CPU's model name (a rebuild elsewhere may differ in the last bits: docs/REPRODUCING.md)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
