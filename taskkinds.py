@@ -37,8 +37,12 @@ alone (toy.phrases), so a new kind leaves them as they are and runs on a real mo
 Run: `python -m pytest -q tests/test_rewards.py tests/test_forking.py`.
 """
 import concurrent.futures
+import contextlib
 import json
+import os
 import re
+import sys
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -87,6 +91,36 @@ class TaskKind:
         return tuple(dict.fromkeys((*self.instructions.values(), self.revision(), self.default)))
 
 
+class Refused(ValueError):
+    """A registration refused (register_task, workflows.register). Raised by a fork's module as
+    it is imported, before any entry point's own error handling runs, it ends the process with
+    its one line and where the registration is, not a traceback (_one_line)."""
+
+
+@contextlib.contextmanager
+def refusing():
+    """A registration's checks: their ValueError becomes Refused."""
+    try:
+        yield
+    except Refused:
+        raise
+    except ValueError as e:
+        raise Refused(str(e)) from None
+
+
+def _one_line(kind, value, tb, python=sys.excepthook):
+    """Python's hook for an exception no one caught: a Refused one is printed as
+    `error: WHY (FILE:LINE)`, the line of the module-level call that registered; any other as
+    Python prints it. The exit status stays Python's 1."""
+    if not isinstance(value, Refused):
+        return python(kind, value, tb)
+    calls = [f for f in traceback.extract_tb(tb) if f.name == "<module>"]
+    where = f" ({os.path.basename(calls[-1].filename)}:{calls[-1].lineno})" if calls else ""
+    print(f"error: {value}{where}", file=sys.stderr)
+
+
+sys.excepthook = _one_line
+
 # name -> TaskKind, in order of registration
 TASK_KINDS: dict[str, TaskKind] = {}
 # kinds registered again on purpose (register_task(..., replace=True)): a run of one says so
@@ -98,18 +132,19 @@ def register_task(name: str, reward: Callable, instructions: dict, default: str,
     """Add a task kind; `options` are TaskKind's optional fields (max_new_tokens, data, revise,
     rounds, marker, key, workers, default_for). Its strings must keep the phrase rules
     (check_phrases) beside every other kind's; a name that exists is refused unless `replace`."""
-    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-        raise ValueError(f"task kind {name!r}: a name is lower-case letters, digits and _")
-    if name in TASK_KINDS and not replace:
-        raise ValueError(f"task kind {name!r} exists; choose another name, or pass replace=True to replace it "
-                         f"on purpose")
-    others = [p for k in TASK_KINDS.values() if k.name != name for p in k.phrases()]
-    check_phrases([*instructions.values(), *([options["revise"]] if options.get("revise") else []), default],
-                  others, f"task kind {name!r}")
-    kind = TaskKind(name, reward, dict(instructions), default, check, **options)
-    taken = {k.marker: k.name for k in TASK_KINDS.values() if k.marker and k.name != name}
-    if kind.marker in taken:
-        raise ValueError(f"task kind {name!r}: records with {kind.marker!r} already mark {taken[kind.marker]}")
+    with refusing():
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+            raise ValueError(f"task kind {name!r}: a name is lower-case letters, digits and _")
+        if name in TASK_KINDS and not replace:
+            raise ValueError(f"task kind {name!r} exists; choose another name, or pass replace=True to replace it "
+                             f"on purpose")
+        others = [p for k in TASK_KINDS.values() if k.name != name for p in k.phrases()]
+        check_phrases([*instructions.values(), *([options["revise"]] if options.get("revise") else []), default],
+                      others, f"task kind {name!r}")
+        kind = TaskKind(name, reward, dict(instructions), default, check, **options)
+        taken = {k.marker: k.name for k in TASK_KINDS.values() if k.marker and k.name != name}
+        if kind.marker in taken:
+            raise ValueError(f"task kind {name!r}: records with {kind.marker!r} already mark {taken[kind.marker]}")
     if name in TASK_KINDS:
         REPLACED.add(name)
     TASK_KINDS[name] = kind

@@ -522,22 +522,24 @@ def register(name: str, fn: Callable, slots, kinds: dict | None = None, instruct
     each under isolated; the slots: the advantage groups); for new role types their kinds
     (ROLE_KINDS); system instructions of its own {(role, task): text}; the user-message headers
     it adds to USER_PHRASES; and its parameters (Param: flags of train.py and eval.py, axes of
-    sweep.py). Nothing is registered when a check fails: a name that exists (unless `replace`,
-    which a run of it then reports), a bad slot table (_slot_table), a role with no kind or
-    another kind than it has, an instruction for a (role, task) that has one of its own with
-    another text (ROLE_INSTRUCTIONS is every workflow's: a new role name gives a prompt of its
-    own), text that breaks the phrase rules (taskkinds.check_phrases), a bad parameter."""
-    if name in WORKFLOWS and not replace:
-        raise ValueError(f"workflow {name!r} exists; choose another name, or pass replace=True to "
-                         f"replace it on purpose")
+    sweep.py). Nothing is registered when a check fails (taskkinds.Refused: one line, even
+    uncaught as the module is imported): a name that exists (unless `replace`, which a run of it
+    then reports), a bad slot table (_slot_table), a role with no kind or another kind than it
+    has, an instruction for a (role, task) that has one of its own with another text
+    (ROLE_INSTRUCTIONS is every workflow's: a new role name gives a prompt of its own), text
+    that breaks the phrase rules (taskkinds.check_phrases), a bad parameter."""
     kinds, instructions, headers = dict(kinds or {}), dict(instructions or {}), tuple(headers)
-    table = _slot_table(name, slots() if callable(slots) else slots)
-    resolved = {role: _kind_of(name, role, kinds.get(role)) for role in table}
-    for key, text in instructions.items():
-        _check_instruction(name, key, text)
-    taskkinds.check_phrases([*headers, *instructions.values()], phrases(), f"workflow {name!r}")
-    for p in params:
-        _check_param(name, p)
+    with taskkinds.refusing():
+        if name in WORKFLOWS and not replace:
+            raise ValueError(f"workflow {name!r} exists; choose another name, or pass replace=True to "
+                             f"replace it on purpose")
+        table = _slot_table(name, slots() if callable(slots) else slots)
+        resolved = {role: _kind_of(name, role, kinds.get(role)) for role in table}
+        for key, text in instructions.items():
+            _check_instruction(name, key, text)
+        taskkinds.check_phrases([*headers, *instructions.values()], phrases(), f"workflow {name!r}")
+        for p in params:
+            _check_param(name, p)
     if name in WORKFLOWS:
         REPLACED.add(name)
     WORKFLOWS[name], ROLES[name], PARAMS[name], HEADERS[name] = fn, tuple(table), tuple(params), headers

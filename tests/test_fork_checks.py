@@ -125,6 +125,18 @@ def test_a_name_that_exists_is_refused_unless_replaced_on_purpose(registries, tm
     assert "note: workflow 'voting' is a replacement registered with replace=True" in capsys.readouterr().err
 
 
+def test_a_refused_registration_at_import_is_one_line(tmp_path):
+    """A fork's registration runs as its module is imported, before any entry point handles
+    errors: uncaught, taskkinds.Refused is one line naming the fix and the registration's line."""
+    fork = tmp_path / "fork.py"
+    fork.write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom workflows import *\n\n"
+                    "register('voting', single, {'generator': ('generator',)})\n")
+    done = subprocess.run([sys.executable, str(fork)], capture_output=True, text=True)
+    assert done.returncode == 1 and done.stderr.splitlines() == [
+        "error: workflow 'voting' exists; choose another name, or pass replace=True to replace it on purpose "
+        "(fork.py:5)"]
+
+
 # ----------------------------------------------------------------------------- the toy world's roles
 
 def test_the_toy_check_knows_roles_not_transcripts(registries, tmp_path, capsys):
