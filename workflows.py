@@ -659,9 +659,9 @@ def run_workflow(name: str, episodes: list[Episode], llm: LLM, task: str, **para
     WORKFLOWS[name](episodes, checked, task, **params)
 
 
-class _Refused(ValueError):
-    """A stage refused by _check_stage inside a workflow's own code (the dry run lets every
-    other error of the workflow pass, and never this one)."""
+class _StageRefused(ValueError):
+    """A stage refused by _check_stage inside a workflow's own code: the dry run lets every
+    other error of the workflow pass, never this one."""
 
 
 def _check_stage(workflow: str, table: dict, role: str, slots: list, keys) -> None:
@@ -670,17 +670,17 @@ def _check_stage(workflow: str, table: dict, role: str, slots: list, keys) -> No
     would share its advantage group, and unkeyed rows would draw by the order of calls, which a
     resumed run or another rank does not repeat."""
     if role not in table:
-        raise _Refused(f"workflow {workflow!r} calls the role {role!r}, which its registration does not declare "
+        raise _StageRefused(f"workflow {workflow!r} calls the role {role!r}, which its registration does not declare "
                        f"(it declares {', '.join(table)}); add it: register({workflow!r}, ..., "
                        f"slots={{..., {role!r}: (...)}})")
     stray = next((s for s in slots if s not in table[role]), None)
     if stray is not None:
         whose = next((f", the {r}'s" for r, names in table.items() if stray in names), ", which it does not declare")
-        raise _Refused(f"workflow {workflow!r} calls the {role} in slot {stray!r}{whose}; a role calls only in its "
+        raise _StageRefused(f"workflow {workflow!r} calls the {role} in slot {stray!r}{whose}; a role calls only in its "
                        f"own slots ({', '.join(table[role])}): declare them in register({workflow!r}, ..., "
                        f"slots={{{role!r}: (...)}})")
     if keys is None:
-        raise _Refused(f"workflow {workflow!r} calls llm({role!r}, ...) without row keys, so its draws would follow "
+        raise _StageRefused(f"workflow {workflow!r} calls llm({role!r}, ...) without row keys, so its draws would follow "
                        f"the order of calls, which a resumed run or another rank does not repeat; call it through "
                        f"stage(llm, role, slots, messages_list, owners)")
 
@@ -704,14 +704,14 @@ def _dry_run(workflow: str, task: str, table: dict, params: dict) -> None:
     problem = {"id": "dry-run", "prompt": "", "source": "dry-run"}
     try:
         WORKFLOWS[workflow]([Episode(problem, g, stream=("dry-run",)) for g in range(2)], llm, task, **params)
-    except _Refused as e:
+    except _StageRefused as e:
         raise ValueError(str(e)) from None
     except Exception:   # noqa: BLE001 -- the workflow's own limits on empty answers are not a refusal
         pass
-    _check_fixed(workflow, fixed)
+    _check_fixed(workflow, task, fixed)
 
 
-def _check_fixed(workflow: str, fixed: dict) -> None:
+def _check_fixed(workflow: str, task: str, fixed: dict) -> None:
     """The fixed text of the dry run's prompts, {(role, system?): lines}: none breaks the phrase
     rules against phrases() (so a fork's header that holds one, say "Critique of Solution 1:",
     is refused), and each is a phrase: an instruction (system) or a header (user)."""
@@ -720,7 +720,7 @@ def _check_fixed(workflow: str, fixed: dict) -> None:
         taskkinds.check_phrases(list(lines), known, f"workflow {workflow!r}, the {role}'s prompt")
         new = next((line for line in lines if line not in known), None)
         if new is not None:
-            where = "instructions={(role, task): ...}" if system else f"headers=({new!r}, ...)"
+            where = f"instructions={{({role!r}, {task!r}): ...}}" if system else f"headers=({new!r}, ...)"
             raise ValueError(f"workflow {workflow!r}: the {role}'s {'system' if system else 'user'} message holds the "
                              f"fixed text {taskkinds.shortened(new)}, which no registration declares; declare it: "
                              f"register({workflow!r}, ..., {where})")
