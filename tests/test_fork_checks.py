@@ -278,11 +278,12 @@ register("debate", debate, {"generator": ("generator0", "generator1"), "critic":
 
 
 def test_a_fork_with_a_debate_a_judge_and_a_critic_of_its_own_keeps_the_forking_tests_green():
-    """The fork above, appended to workflows.py (here: run in its namespace before the tests
-    import it), names its workflow, roles and instructions as the README's example and these
-    tests do; test_forking.py and this file still pass, since they register into scratch
-    registries (conftest.registries)."""
-    code = (f"import sys; sys.path.insert(0, {ROOT!r}); import workflows; exec({FORK!r}, vars(workflows)); "
+    """The fork above, appended to workflows.py (here: run in its namespace, on the built-in
+    registrations alone, before the tests import it), names its workflow, roles and instructions
+    as the README's example and these tests do; test_forking.py and this file still pass, since
+    they register into scratch registries (conftest.registries)."""
+    code = (f"import sys; sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]; import conftest, workflows; "
+            f"conftest.keep_built_in(); exec({FORK!r}, vars(workflows)); "
             "assert workflows.ROLES['debate'] == ('generator', 'critic', 'judge'); import pytest; "
             "sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', 'tests/test_forking.py', "
             "'tests/test_fork_checks.py', '-k', 'not keeps_the_forking_tests_green']))")

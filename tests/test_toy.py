@@ -74,7 +74,7 @@ def test_every_character_is_one_distinct_token(tok):
 
 
 def test_every_phrase_and_word_is_one_token(tok):
-    for text in list(wf.phrases()) + toy.WORDS:
+    for text in list(toy.phrases()) + toy.WORDS:   # the toy world's own: a fork's phrases are characters
         one = _ids(tok, text)
         assert len(one) == 1, repr(text)
         assert tok.decode(one) == text
