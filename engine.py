@@ -75,7 +75,8 @@ REFILL_AT = 1 / 16         # admit newcomers once this share of the rows is free
 # decode steps between the host's reads of which rows stopped: on CUDA a read waits for the
 # device, so it reads a copy made 4 steps before; on a CPU it costs nothing, so every step
 STOP_EVERY = {"cuda": 4, "cpu": 1}
-ATTN_GROUPS = 32           # at most this many row groups in a decode step's attention (see _groups)
+ATTN_GROUPS = 32           # at most this many runs _cheapest partitions: of rows in a decode step's
+                           # attention (_groups), of prompts in a prefill (_prefill_chunks)
 GROUP_ROWS = {"cuda": 32, "cpu": 1}     # rows a row group grows by: on CUDA SDPA runs one thread block
                                         # per (row, KV head), and fewer than ~256 leave SMs idle
 WIDTH_BUCKET = {"cuda": 128, "cpu": 1}  # attended widths round up to a multiple: on CUDA a graph each

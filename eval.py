@@ -510,7 +510,7 @@ def _evaluate_cli(args):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         st, notes = resolve_settings(args)
-        workflows.check_instructions(st["workflow"], st["task"])   # before the model loads, as train.py's flags
+        workflows.check_run(st["workflow"], st["task"], st["params"])   # before the model loads, as train.py's flags
         if st["scale"] == "toy":
             tasks.check_toy_data("--data", st["data"])
             toy.check_roles(st["workflow"], workflows.ROLES[st["workflow"]])
@@ -519,7 +519,7 @@ def _evaluate_cli(args):
         llm = _llm_from_settings(args, st, st["task"])
     except (ValueError, RuntimeError, OSError, ImportError, KeyError) as e:
         raise SystemExit(f"error: {e}")
-    for n in notes + ([note] if note else []) + [st["draws_note"]]:
+    for n in notes + ([note] if note else []) + [st["draws_note"]] + workflows.replaced(st["workflow"], st["task"]):
         if not args.quiet:
             print(n, file=sys.stderr)
     res = evaluate(llm, st["workflow"], problems, st["task"], samples=args.samples, batch_size=st["batch_size"],

@@ -24,7 +24,7 @@ SCALE_DEFAULTS = {
 }
 # (toy, paper scale) learning rate per kind of trainable weights: LoRA takes the paper's 2e-5
 # at real scales and 1e-3 in the toy world; full copies of the model move every weight, so they
-# take a lower rate (the toy value from a short lr scan, README "The method in one screen";
+# take a lower rate (the toy value from a short lr scan, docs/RESULTS.md "Full copies' learning rate";
 # 1e-6 is the usual full-parameter GRPO rate at real scales)
 LR = {"lora": (1e-3, 2e-5), "full": (1e-4, 1e-6)}
 # flags that may change on --resume: the rest of the saved configuration wins
@@ -215,7 +215,7 @@ def resume_args(ap, args):
     defaults = {a.dest: a.default for a in ap._actions if a.dest != "help"}
     args = argparse.Namespace(**{**defaults, **saved, **keep})
     args.out = args.resume
-    _check_instructions(ap, args)   # the registries may have changed since the run was saved
+    _check_run(ap, args)   # the registries may have changed since the run was saved
     return args
 
 
@@ -309,7 +309,7 @@ def check_args(ap, args):
         ap.error(f"--token-budget {args.token_budget} holds no row at the length limits: at least {row} "
                  "(max-prompt-tokens + max-new-tokens)")
     _check_workflow_params(ap, args)
-    _check_instructions(ap, args)
+    _check_run(ap, args)
     _check_device(ap, args.device)
     package = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(args.log_to)
     if package and importlib.util.find_spec(package) is None:  # before minutes of model loading
@@ -376,14 +376,17 @@ def _check_workflow_params(ap, args):
                      f"--max-new-tokens {args.max_new_tokens}; raise it to at least {args.toy_check + 12}")
 
 
-def _check_instructions(ap, args):
-    """workflows.check_instructions: every parsed role of the workflow has an instruction of its
-    own on the task, and the task kind's strings keep the phrase rules."""
+def _check_run(ap, args):
+    """workflows.check_run: the workflow's registration, prompts and stages on the task with
+    these parameter values, before anything loads; then a line for a registration that
+    replaced a built-in one on purpose."""
     import workflows
     try:
-        workflows.check_instructions(args.workflow, args.task)
+        workflows.check_run(args.workflow, args.task, workflow_params(args))
     except ValueError as e:
         ap.error(str(e))
+    for note in workflows.replaced(args.workflow, args.task):
+        print(note, file=sys.stderr)
 
 
 def hyper(args):

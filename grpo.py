@@ -433,9 +433,7 @@ def rows_to_run(samples, hp: Hyper) -> list:
 @torch.no_grad()
 def old_logprobs(policy, samples, rows: list, hp: Hyper) -> dict:
     """{i: (old logprob, entropy)}, 1-D tensors, of rows `rows`: a no-grad forward under each
-    row's adapter before any parameter moves (the weights the rollout used). Only the rows
-    after their adapter's first mini-batch need it: the first mini-batch's own forward runs at
-    these same weights, so its logprobs are its old ones (micro_loss)."""
+    row's adapter before any parameter moves (which rows: logp_old in the module docstring)."""
     by_name = defaultdict(list)
     for i in rows:
         by_name[policy.adapter(samples[i].role)].append(i)
@@ -499,9 +497,8 @@ def _padded(ts, T, dev):
 def micro_loss(model, samples, rows, old: dict, base: dict, hp: Hyper, denom):
     """The loss of one micro-batch (one slot, so one role) as its part of the mini-batch loss,
     its per-token (mask, ratio, clipped, k3), and the old logprobs and entropies it used, per
-    row. `old` {i: (logprob, entropy)} holds the rows after their adapter's first mini-batch; a
-    row of the first mini-batch is not in it, and its forward runs at the old weights, so its
-    own logprobs (detached) are its old ones. `base` {i: logprob}: the KL reference."""
+    row: `old`'s {i: (logprob, entropy)}, or for a row not in it its own, detached (logp_old in
+    the module docstring). `base` {i: logprob}: the KL reference."""
     beta, first = hp.kl(samples[rows[0]].role), rows[0] not in old
     logp, entropy, mask = batch_logprobs(model, [samples[i].prompt_ids for i in rows],
                                          [samples[i].completion_ids for i in rows], hp.temperature,
@@ -521,19 +518,17 @@ def micro_loss(model, samples, rows, old: dict, base: dict, hp: Hyper, denom):
 def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, reduce=None, probe=None,
            intervention=None) -> None:
     """One training step over `samples`: every adapter's rows shuffled with the torch.Generator
-    `shuffle` (None: in order) and cut into mini-batches; old logprobs once, for the rows after
-    each adapter's first mini-batch (that one runs at the old weights); one optimizer step per
-    mini-batch, of the gradient summed over the data-parallel ranks by `reduce(params)`
-    (parallel.Comm.reduce_grads; None in one process); then every scheduler steps once.
-    A frozen adapter (`frozen`) takes no step and its rows run nothing."""
+    `shuffle` (None: in order) and cut into mini-batches; the old logprobs (logp_old in the
+    module docstring); one optimizer step per mini-batch, of the gradient summed over the
+    data-parallel ranks by `reduce(params)` (parallel.Comm.reduce_grads; None in one process);
+    then every scheduler steps once. A frozen adapter (`frozen`) takes no step and its rows run
+    nothing."""
     probe, intervention = probe or Probe(), intervention or Intervention()
     if set(hp.kl_coef_role) - set(policy.roles):
         raise KeyError(f"kl_coef_role names roles {sorted(set(hp.kl_coef_role) - set(policy.roles))} not in {policy.roles}")
     names = [name for name in policy.names if not frozen(optimizers[name])]
     runs = [r and policy.adapter(s.role) in names for r, s in zip(rows_to_run(samples, hp), samples)]
     plan = {name: optimizer_batches(adapter_rows(policy, samples, name, shuffle), hp.mini_batch) for name in names}
-    # the old logprobs: recomputed now for the rows after each adapter's first mini-batch; the
-    # first mini-batch's own forward gives its rows theirs (micro_loss), before the first step
     later = sorted(i for mbs in plan.values() for mb in mbs[1:] for i in mb if runs[i])   # in the samples' order
     old = old_logprobs(policy, samples, later, hp)
     base = base_logprobs(policy, samples, [i for i, s in enumerate(samples) if runs[i] and hp.kl(s.role)], hp)
@@ -552,7 +547,7 @@ def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, red
                     with policy.using(name) as model:
                         loss, per_token, used = micro_loss(model, samples, micro, old, base, hp, denom)
                         loss.backward()
-                    if micro[0] not in old:       # the first mini-batch: its old logprobs are new
+                    if micro[0] not in old:       # the first mini-batch's, from its own forward
                         old.update(used)
                         probe.old_logprobs(used)
                     probe.tokens(role, *per_token)

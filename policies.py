@@ -20,7 +20,7 @@ Choices, each a flag of train.py:
   (small models only); the loaded model stays frozen as the base.
 - `--grad-checkpointing`: `checkpoint_layers` recomputes each decoder layer in the backward
   (on by default at real scales, where a long micro-batch's activations would not fit;
-  bench/memory.py counts them with and without, README "Real models").
+  bench/memory.py counts them with and without, docs/REAL_MODELS.md).
 - The active adapter is one name for the whole batch, or `None` for the base.
 - Adapters are saved in PEFT's file layout (adapter_config.json + adapter_model.safetensors with
   keys `base_model.model.<module>.lora_A.weight`), so peft and vLLM's multi-LoRA serving load a

@@ -2,14 +2,14 @@
 
     out = generate_simple(model, prompts, max_new_tokens=48, stop_ids=[im_end, eot], pad_id=eot,
                           temperature=0.7, seed=0, keys=row_keys)   # a Generation: tokens, logprobs, mask
-    llm = make_llm(policy, temperature=0.7, max_new_tokens=48)      # llm(role, slots, messages_list, keys)
+    llm = make_llm(policy, temperature=0.7, max_new_tokens=48)      # llm(role, slots, messages_list, keys=keys)
 
 `generate_simple` is the sampler to read: every prompt left-padded into one batch and one
 ordinary DynamicCache, every row stepping together until all have ended. What it promises:
 - keyed draws: row i's token t is drawn with the uniform seeds.uniforms(seed, keys[i], t), by
   inverse CDF over float64 probabilities (the exact distribution to float64 rounding), so what
   a row samples depends on its key and nothing else: not on the rows beside it, the batch it is
-  in or the rank it runs on. make_llm keys a row by (stream, problem, rollout, call);
+  in or the rank it runs on. A workflow's rows are keyed by workflows.stage;
 - logits are divided by the temperature and upcast to fp32 before the log-softmax; the
   returned logprob of a token is under that temperature-scaled distribution (top-p only narrows
   which tokens can be drawn; with top_p=1, the paper's setting, it is exactly the distribution
@@ -225,31 +225,31 @@ def make_clip(tokenizer, max_tokens: int | None):
 
 def make_llm(policy, *, sampler=None, temperature: float = 0.7, top_p: float = 1.0, max_new_tokens: int = 512,
              max_prompt_tokens: int | None = None, seed: int = 0, max_embed_tokens: int | None = None):
-    """The `llm(role, slots, messages_list, keys=None) -> list[Call]` that workflows.py calls
-    once per stage.
+    """The `llm(role, slots, messages_list, keys) -> list[Call]` that workflows.py calls once
+    per stage.
 
     `sampler`: a function with generate_simple's contract (the default), e.g. engine.generate
     with its budget bound (functools.partial(engine.generate, kv_budget=...)); both sample the
     same tokens. `keys` names each row (workflows.stage passes its episode's stream, problem id
     and rollout and the call's index in the episode); its draws come from seeds.uniforms(seed,
-    key(row), position), so a row samples the same tokens whatever else is in the stage. Without
-    keys a row is named by the llm's call count and its index in the call. Every call of a stage
-    goes to the adapter of its role in one sampler call and is recorded as a Call with its prompt
-    ids, completion ids (stop token included), sampler logprobs and finished flag; the text is
-    the decoded completion without special tokens. `llm.stats` counts calls and cut prompts per
-    role."""
+    key(row), position), so a row samples the same tokens whatever else is in the stage; a call
+    without keys is refused (an order of calls is not the same on resume or on another rank).
+    Every call of a stage goes to the adapter of its role in one sampler call and is recorded as
+    a Call with its prompt ids, completion ids (stop token included), sampler logprobs and
+    finished flag; the text is the decoded completion without special tokens. `llm.stats` counts
+    calls and cut prompts per role."""
     sampler = sampler or generate_simple
     if not callable(sampler):
         raise ValueError(f"sampler must be a function with generate_simple's contract, got {sampler!r}")
     tok = policy.tokenizer
     stops = policies.stop_ids(policy.model, tok)
-    stats, made = {}, [0]
+    stats = {}
 
     def llm(role, slots, messages_list, keys=None):
+        if keys is None:
+            raise ValueError("llm(role, slots, messages_list) needs keys=, one per row (workflows.stage gives them)")
         rendered = [render(tok, m, max_prompt_tokens) for m in messages_list]
         prompts = [ids for ids, _ in rendered]
-        made[0] += 1
-        keys = keys if keys is not None else [("call", made[0], i) for i in range(len(prompts))]
         s = stats.setdefault(role, {"calls": 0, "prompt_cut": 0})
         s["calls"] += len(prompts)
         s["prompt_cut"] += sum(cut for _, cut in rendered)

@@ -11,7 +11,8 @@
 Choices:
 - A cell is workflow x task x sharing [x lr] [x axis values] x seed at one scale. The workflows
   and tasks are the registered ones (workflows.WORKFLOWS, taskkinds.TASK_KINDS; --help lists
-  them); sharings: shared, isolated. A workflow with one role (single) is the same run shared or
+  them), by default less, at --scale toy, those the toy world cannot run (a fork's new role or
+  task kind), each said in one line; sharings: shared, isolated. A workflow with one role (single) is the same run shared or
   isolated: it runs once per task, as `shared` if that is listed, else as the first sharing
   given. The paper's four workflows and two tasks make 3 x 2 x 2 + 2 = 14 cells per seed (and
   per lr).
@@ -218,6 +219,30 @@ def check_cells(p, matrix, extra):
                 p.error(f"cell {name}: train.py refuses its flags: {msg}")
 
 
+def default_axes(wfs, tasks, scale):
+    """(workflows, tasks) of the sweep: the ones given, else every registered one, less (at
+    --scale toy, one line each) a workflow with a role the toy model never learned and a task
+    kind with no toy data: a fork's own, which run on a real model."""
+    if scale != "toy" or (wfs and tasks):
+        return wfs or list(workflows.WORKFLOWS), tasks or list(taskkinds.TASK_KINDS)
+    import toy   # it imports torch: only at --scale toy
+    out_wfs = list(wfs or [])
+    for wf in [] if wfs else workflows.WORKFLOWS:
+        try:
+            toy.check_roles(wf, workflows.ROLES[wf])
+            out_wfs.append(wf)
+        except ValueError as e:
+            print(f"sweep: leaving out {e}", file=sys.stderr)
+    out_tasks = list(tasks or [])
+    for task in [] if tasks else taskkinds.TASK_KINDS:
+        if taskkinds.TASK_KINDS[task].data.get("toy") is None:
+            print(f"sweep: leaving out --task {task}: the toy world has no data of it; name it in --tasks with a "
+                  "real --scale", file=sys.stderr)
+        else:
+            out_tasks.append(task)
+    return out_wfs, out_tasks
+
+
 def parse_args(argv=None):
     """(flags, the train.py flags given after `--`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -229,10 +254,10 @@ def parse_args(argv=None):
     p = Parser(prog="sweep.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog="Everything after `--` is passed to every train.py command.")
     # --- the matrix
-    p.add_argument("--workflows", nargs="+", default=list(workflows.WORKFLOWS), choices=list(workflows.WORKFLOWS),
-                   metavar="WORKFLOW", help="workflows to run, of %(choices)s (default: all)")
-    p.add_argument("--tasks", nargs="+", default=list(taskkinds.TASK_KINDS), choices=list(taskkinds.TASK_KINDS),
-                   metavar="TASK", help="tasks to run, of %(choices)s (default: all)")
+    p.add_argument("--workflows", nargs="+", default=None, choices=list(workflows.WORKFLOWS),
+                   metavar="WORKFLOW", help="workflows to run, of %(choices)s (default: all that the scale can run)")
+    p.add_argument("--tasks", nargs="+", default=None, choices=list(taskkinds.TASK_KINDS),
+                   metavar="TASK", help="tasks to run, of %(choices)s (default: all that the scale can run)")
     p.add_argument("--sharings", nargs="+", default=SHARINGS, choices=SHARINGS, metavar="SHARING",
                    help="sharing modes to run, of %(choices)s (default: all)")
     p.add_argument("--scale", default="toy",
@@ -261,6 +286,7 @@ def parse_args(argv=None):
 
     if args.jobs < 1:
         p.error("--jobs must be at least 1")
+    args.workflows, args.tasks = default_axes(args.workflows, args.tasks, args.scale)
     args.axes = [parse_axis(p, a) for a in args.axis]
     flags_of_axes = tuple(f for f, _ in args.axes)
     check_axes(p, flags_of_axes, args.workflows)

@@ -3,9 +3,11 @@
 A registration gives everything the rest of the code asks of a kind:
 - `reward(text, problem) -> float`: the reward of the whole text of a graded answer, given the
   problem's record (math reads the text's last \\boxed{}, code runs its last python block);
-- `instructions`: the system instruction of each role it names, `default` for every role it
-  does not name (a new workflow's roles), and `revise` for Eval-Opt's revision turn (default:
-  `default`); workflows.py builds every prompt from them;
+- `instructions`: the system instruction of each role it names; `default`, the instruction of
+  the roles it does not name that the default was written for (`default_for`: the built-in
+  solution roles, SOLVERS, unless it says otherwise; any other role is refused at a run's start,
+  workflows.check_run); and `revise` for Eval-Opt's revision turn (default: `default`);
+  workflows.py builds every prompt from them;
 - `max_new_tokens`: the response limit at real scales (the paper's 5120 math, 2048 code);
   `rounds`: Eval-Opt's evaluator rounds when its max_rounds is unset (3 math, 2 code);
 - `data`: the data set a run takes by default, {"toy": name, "real": name} (a kind with no
@@ -23,8 +25,9 @@ A registration gives everything the rest of the code asks of a kind:
 Every instruction is fixed prompt text (workflows.phrases()) and keeps the phrase rules of
 `check_phrases`: one line, and none holding another fixed string. `register_task` refuses a kind
 that breaks them against the other kinds' strings (the user-message headers and the workflows'
-own instructions live in workflows.py, which imports this module: `workflows.check_instructions`
-checks the kind against them at a run's start).
+own instructions live in workflows.py, which imports this module: `workflows.check_run` checks
+the kind against them at a run's start), and a name that exists unless `replace=True` (then
+REPLACED names it, and a run of it says so).
 
 Everything that names task kinds reads TASK_KINDS: train.py's and eval.py's --task choices,
 sweep.py's --tasks, tasks.py's validation and defaults, and workflows.py's instructions. The toy
@@ -34,8 +37,12 @@ alone (toy.phrases), so a new kind leaves them as they are and runs on a real mo
 Run: `python -m pytest -q tests/test_rewards.py tests/test_forking.py`.
 """
 import concurrent.futures
+import contextlib
 import json
+import os
 import re
+import sys
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -51,13 +58,18 @@ def _one_at_a_time(pairs: list) -> int:
     return 1
 
 
+# The built-in workflows' solution roles: a kind's default is written for them unless it says
+# otherwise (TaskKind.default_for).
+SOLVERS = ("generator", "worker", "synthesizer")
+
+
 @dataclass(frozen=True)
 class TaskKind:
     """One kind of problem (see the module docstring for each field)."""
     name: str
     reward: Callable[[str, dict], float]
     instructions: dict            # role -> system instruction
-    default: str                  # the instruction of every role `instructions` does not name
+    default: str                  # the instruction of the roles of default_for it does not name
     check: Callable[[dict], None]
     max_new_tokens: int = 2048
     data: dict = field(default_factory=dict)     # "toy" / "real" -> data set name
@@ -66,6 +78,7 @@ class TaskKind:
     marker: str | None = None
     key: Callable = _text_and_id
     workers: Callable[[list], int] = _one_at_a_time
+    default_for: tuple = SOLVERS  # the roles `default` was written for
 
     def instruction(self, role: str) -> str:
         return self.instructions.get(role, self.default)
@@ -78,24 +91,62 @@ class TaskKind:
         return tuple(dict.fromkeys((*self.instructions.values(), self.revision(), self.default)))
 
 
+class Refused(ValueError):
+    """A registration refused (register_task, workflows.register). Raised by a fork's module as
+    it is imported, before any entry point's own error handling runs, it ends the process with
+    its one line and where the registration is, not a traceback (_one_line)."""
+
+
+@contextlib.contextmanager
+def refusing():
+    """A registration's checks: their ValueError becomes Refused."""
+    try:
+        yield
+    except Refused:
+        raise
+    except ValueError as e:
+        raise Refused(str(e)) from None
+
+
+def _one_line(kind, value, tb, python=sys.excepthook):
+    """Python's hook for an exception no one caught: a Refused one is printed as
+    `error: WHY (FILE:LINE)`, the line of the module-level call that registered; any other as
+    Python prints it. The exit status stays Python's 1."""
+    if not isinstance(value, Refused):
+        return python(kind, value, tb)
+    calls = [f for f in traceback.extract_tb(tb) if f.name == "<module>"]
+    where = f" ({os.path.basename(calls[-1].filename)}:{calls[-1].lineno})" if calls else ""
+    print(f"error: {value}{where}", file=sys.stderr)
+
+
+sys.excepthook = _one_line
+
 # name -> TaskKind, in order of registration
 TASK_KINDS: dict[str, TaskKind] = {}
+# kinds registered again on purpose (register_task(..., replace=True)): a run of one says so
+REPLACED: set = set()
 
 
 def register_task(name: str, reward: Callable, instructions: dict, default: str, check: Callable,
-                  **options) -> TaskKind:
+                  replace: bool = False, **options) -> TaskKind:
     """Add a task kind; `options` are TaskKind's optional fields (max_new_tokens, data, revise,
-    rounds, marker, key, workers). Its strings must keep the phrase rules (check_phrases) beside
-    every other kind's; registering a kind again under its name replaces it."""
-    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-        raise ValueError(f"task kind {name!r}: a name is lower-case letters, digits and _")
-    others = [p for k in TASK_KINDS.values() if k.name != name for p in k.phrases()]
-    check_phrases([*instructions.values(), *([options["revise"]] if options.get("revise") else []), default],
-                  others, f"task kind {name!r}")
-    kind = TaskKind(name, reward, dict(instructions), default, check, **options)
-    taken = {k.marker: k.name for k in TASK_KINDS.values() if k.marker and k.name != name}
-    if kind.marker in taken:
-        raise ValueError(f"task kind {name!r}: records with {kind.marker!r} already mark {taken[kind.marker]}")
+    rounds, marker, key, workers, default_for). Its strings must keep the phrase rules
+    (check_phrases) beside every other kind's; a name that exists is refused unless `replace`."""
+    with refusing():
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+            raise ValueError(f"task kind {name!r}: a name is lower-case letters, digits and _")
+        if name in TASK_KINDS and not replace:
+            raise ValueError(f"task kind {name!r} exists; choose another name, or pass replace=True to replace it "
+                             f"on purpose")
+        others = [p for k in TASK_KINDS.values() if k.name != name for p in k.phrases()]
+        check_phrases([*instructions.values(), *([options["revise"]] if options.get("revise") else []), default],
+                      others, f"task kind {name!r}")
+        kind = TaskKind(name, reward, dict(instructions), default, check, **options)
+        taken = {k.marker: k.name for k in TASK_KINDS.values() if k.marker and k.name != name}
+        if kind.marker in taken:
+            raise ValueError(f"task kind {name!r}: records with {kind.marker!r} already mark {taken[kind.marker]}")
+    if name in TASK_KINDS:
+        REPLACED.add(name)
     TASK_KINDS[name] = kind
     return kind
 
@@ -170,7 +221,8 @@ def score(texts: list, problems: list, task: str) -> list[float]:
 
 # ---------------------------------------------------------------------------------------
 # The two kinds of the paper. Their instructions are fixed prompt text (workflows.phrases):
-# changing one changes the toy model's cache key.
+# changing one changes the toy model's cache key. They name every built-in role, and their
+# default is the generator's instruction, so a role of a fork's needs one of its own.
 
 GENERATOR_MATH = "Solve the math problem step by step. Put the final answer in \\boxed{}."
 GENERATOR_CODE = "Solve the programming problem in Python. Give your code in one ```python block."
@@ -274,10 +326,10 @@ register_task(
     instructions={"generator": GENERATOR_MATH, "aggregator": AGGREGATOR_MATH, "evaluator": EVALUATOR_MATH,
                   "orchestrator": ORCHESTRATOR_MATH, "worker": WORKER_MATH, "synthesizer": SYNTHESIZER_MATH},
     max_new_tokens=5120, rounds=3, data={"toy": "toy_math", "real": "dapo_math"}, marker="answer",
-    key=_math_key, workers=_math_workers)
+    key=_math_key, workers=_math_workers, default_for=("generator",))
 register_task(
     "code", _code_reward, check=_check_code, default=GENERATOR_CODE, revise=REVISE_CODE,
     instructions={"generator": GENERATOR_CODE, "aggregator": AGGREGATOR_CODE, "evaluator": EVALUATOR_CODE,
                   "orchestrator": ORCHESTRATOR_CODE, "worker": WORKER_CODE, "synthesizer": SYNTHESIZER_CODE},
     max_new_tokens=2048, rounds=2, data={"toy": "toy_code", "real": "deepcoder"}, marker="tests",
-    key=_code_key, workers=_code_workers)
+    key=_code_key, workers=_code_workers, default_for=("generator",))

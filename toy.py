@@ -323,10 +323,21 @@ ROLE_MIX = {"generator": 0.35, "reviser": 0.1, "evaluator": 0.12, "aggregator": 
             "orchestrator": 0.06, "worker": 0.1, "synthesizer": 0.15}
 
 
+# The role whose calls each transcript of ROLE_MIX teaches: its own name, but for "reviser", the
+# generator's Eval-Opt revision turn (a transcript of the generator, not a role).
+TRANSCRIPT_ROLE = {"reviser": "generator"}
+
+
+def learned_roles() -> set:
+    """The roles the toy model learned: those some transcript of ROLE_MIX teaches."""
+    return {TRANSCRIPT_ROLE.get(t, t) for t in ROLE_MIX}
+
+
 def check_roles(workflow: str, roles) -> None:
     """A ValueError in one line for a role the warm start writes no transcript of: the toy
     model would start that role untrained, and its run would not say so."""
-    missing = [r for r in roles if r not in ROLE_MIX]
+    learned = learned_roles()
+    missing = [r for r in roles if r not in learned]
     if missing:
         raise ValueError(f"--workflow {workflow}: the toy world's warm start has no transcript of role "
                          f"{missing[0]!r}, so the toy model never learned it; write one in toy.transcript with a "
@@ -468,7 +479,7 @@ def _write_entry(name, task, warm, folder, transformers_version):
 
 
 def _cpu() -> str:
-    """The CPU's model name (a rebuild elsewhere may differ in the last bits, see README)."""
+    """The CPU's model name (a rebuild elsewhere may differ in the last bits: docs/REPRODUCING.md)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))

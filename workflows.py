@@ -26,13 +26,13 @@ Exact choices:
 - Every fallback taken adds 1 to `episode.fallbacks[role]`; a role whose output is parsed gets
   the key even at 0, so fallbacks / calls is that role's unparsable-output rate.
 - Prompts: a system message holding one instruction and a user message. The instruction of a
-  role on a task is the task kind's (taskkinds.py; math and code have one per role) unless the
-  workflow registered its own (`instruction`); a role whose output is parsed (supervisory or
-  planning) must have one of the two, never only the kind's default (`check_instructions`,
-  at a run's start). The user message is only USER_PHRASES and variable text (problem,
-  solutions, feedback, strategy) joined by "\\n". `phrases()` lists every fixed string, and none
-  holds another (taskkinds.check_phrases), so a tokenizer that knows them as whole tokens
-  (the toy one) spends one token per fixed string. The orchestrator's instruction asks for
+  role on a task is the workflow's own when it registered one, else the task kind's for that
+  role (taskkinds.py; math and code have one per role), else the kind's default, which only the
+  roles the kind wrote it for (its `default_for`) may take. The user message is only headers
+  (USER_PHRASES, and those a registration declares) and variable text (problem, solutions,
+  feedback, strategy) joined by "\\n". `phrases()` lists every fixed string, and none holds
+  another (taskkinds.check_phrases), so a tokenizer that knows them as whole tokens (the toy
+  one) spends one token per fixed string. The orchestrator's instruction asks for
   "up to 3" strategies (the paper's value); `max_strategies` is the parser's cap. The code
   problem's text already carries its starter code or stdin/stdout format, so code prompts add
   nothing to it.
@@ -46,14 +46,15 @@ No torch here: `llm` is any callable with the contract below (rollout.py builds 
 tests use a scripted fake). Run: `run_workflow("voting", episodes, llm, "math")`; tests:
 `python -m pytest -q tests/test_workflows.py`.
 
-A new workflow is one `register(name, fn, roles, slots, kinds=..., instructions=..., params=...)`
-call: train.py's and eval.py's `--workflow` choices and parameter flags, sweep.py's cells and
-axes, and eval.py's role groups and colours all read the registry, and run_workflow checks each
-call's role and slot against it (README, "Adding a workflow", lists what cannot be derived).
-What a registration leaves unsaid is refused in one line, never filled in: at `register`, an
-instruction that breaks the phrase rules or changes another workflow's prompt; at a run's start
-(`check_instructions`: train.py's flags, eval.py, run_workflow), a parsed role with no
-instruction of its own on the task.
+A new workflow is one `register(name, fn, slots, kinds=..., instructions=..., headers=...,
+params=...)` call: train.py's and eval.py's `--workflow` choices and parameter flags, sweep.py's
+cells and axes, analysis.py's role groups and plots.py's colours all read the registry. What a
+registration leaves unsaid or gets wrong is refused in one line, never filled in: at `register`
+(a name taken, a slot two roles share, text that breaks the phrase rules or changes another
+workflow's prompt) or at a run's start (`check_run`, called by train.py's flags, eval.py and
+run_workflow: a role with no instruction written for it; and a dry run of the workflow with an
+llm that writes nothing, which checks every stage's role, slots and row keys and the fixed text
+of every prompt before anything is sampled).
 """
 import re
 from collections import Counter
@@ -115,8 +116,9 @@ class Param:
         return self.flag.replace("-", "_")
 
 
-# llm(role, slots, messages_list, keys=None) -> one Call per (slot, messages), in order, text
-# filled in; keys[i] names row i (see `stage`), so that its random draws depend on it alone.
+# llm(role, slots, messages_list, keys=keys) -> one Call per (slot, messages), in order, text
+# filled in; keys[i] names row i, so that its random draws depend on it alone: a workflow calls
+# it through `stage`, which names each row, and a call without keys is refused (_check_stage).
 LLM = Callable[..., list]
 
 
@@ -125,13 +127,17 @@ LLM = Callable[..., list]
 WORKFLOWS: dict[str, Callable] = {}
 # Role types of each workflow: under `isolated` sharing each role type owns one adapter.
 ROLES: dict[str, tuple[str, ...]] = {}
-# Slots (positions in the workflow), as a function of its parameters' values (slots_of): GRPO
-# groups samples by (problem, slot), read from each call, and run_workflow checks every call's
-# slot against these. Voting with n_voters=n uses generator0..generator{n-1}.
-SLOTS: dict[str, Callable[..., tuple]] = {}
+# Each role's slots (positions in the workflow), {role: (slot, ...)}, as a function of the
+# parameters' values (slot_table): GRPO groups samples by (problem, slot), so no slot is two
+# roles'. Voting with n_voters=n gives the generator generator0..generator{n-1}.
+SLOTS: dict[str, Callable[..., dict]] = {}
 # Parameters of each workflow (Param), the keywords of its function that flags set.
 PARAMS: dict[str, tuple] = {}
-# What each role type does, for the analysis (eval.py): "solution" roles write a solution
+# User-message headers a workflow declares beside USER_PHRASES (fixed text, so phrases).
+HEADERS: dict[str, tuple[str, ...]] = {}
+# Names registered again on purpose (register(..., replace=True)): a run of one says so.
+REPLACED: set = set()
+# What each role type does, for the analysis (analysis.py): "solution" roles write a solution
 # that can be graded, "supervisory" roles judge or choose among solutions others wrote (the
 # paper's evaluator and aggregator), "planning" roles direct others without solving (the
 # orchestrator: it neither writes nor judges a solution, so it is in neither group of the
@@ -173,39 +179,63 @@ def instruction(role: str, task: str) -> str:
 def phrases(kinds: tuple | None = None, registered: bool = True) -> tuple[str, ...]:
     """Every fixed string any prompt contains, each once: USER_PHRASES, then the task
     kinds' instructions role by role (each role's for every kind in turn), their revision
-    turns' and defaults, then (`registered`) the workflows' own. `kinds`: only these task
-    kinds (default: every registered one). None holds another or a newline
+    turns' and defaults, then (`registered`) the workflows' own instructions and headers.
+    `kinds`: only these task kinds (default: every registered one). None holds another or a newline
     (taskkinds.check_phrases, at registration and at a run's start); the toy tokenizer makes
     the built-in ones one token each (toy.phrases)."""
     kinds = [taskkinds.TASK_KINDS[k] for k in kinds] if kinds is not None else list(taskkinds.TASK_KINDS.values())
     roles = dict.fromkeys(role for k in kinds for role in k.instructions)
     told = [k.instructions[role] for role in roles for k in kinds if role in k.instructions]
     own = [*(k.revision() for k in kinds), *(k.default for k in kinds),
-           *(ROLE_INSTRUCTIONS.values() if registered else ())]
+           *((*ROLE_INSTRUCTIONS.values(), *(h for hs in HEADERS.values() for h in hs)) if registered else ())]
     return tuple(dict.fromkeys((*USER_PHRASES, *told, *own)))
 
 
 PARSED = ("supervisory", "planning")   # role kinds whose output a parser reads in a fixed format
 
 
-def check_instructions(workflow: str, task: str) -> None:
-    """A ValueError in one line unless `workflow` may run on `task` with the prompts it would
-    get: every role whose output is parsed (ROLE_KINDS in PARSED) has an instruction of its own
-    on the task (the workflow's registered one, or the task kind's `instructions[role]`), since
-    the kind's default is written for another role (math's and code's: the generator's) and
-    its parser would fall back on every call; and the kind's strings keep the phrase rules
-    beside the headers and the workflows' instructions (register_task could check them against
-    the other kinds only). train.py's flags, eval.py and run_workflow call it first."""
+def check_run(workflow: str, task: str, params: dict | None = None) -> None:
+    """A ValueError in one line unless `workflow` may run on `task` with these parameter values
+    (None: its defaults), before anything is sampled: its slot table holds (slot_table); every
+    role runs on an instruction written for it (_check_instruction_of); the task kind's strings
+    keep the phrase rules beside the headers and the workflows' instructions (register_task
+    could check them against the other kinds only); and a dry run of the workflow (_dry_run)
+    checks each stage and the fixed text of each prompt. train.py's flags, eval.py and
+    run_workflow call it first."""
     if workflow not in WORKFLOWS:
         raise ValueError(f"unknown workflow {workflow!r}; choose one of {sorted(WORKFLOWS)}")
-    kind = taskkinds.get(task)
+    kind, params = taskkinds.get(task), dict(params or {})
+    table = slot_table(workflow, **params)
     for role in ROLES[workflow]:
-        if ROLE_KINDS[role] in PARSED and _own_instruction(role, task) is None:
-            raise ValueError(f"workflow {workflow!r} on task {task!r}: the {role}'s output is parsed (a "
-                             f"{ROLE_KINDS[role]} role), but it has no instruction of its own on {task}, only the "
-                             f"task kind's default, written for another role; give it one: "
-                             f"{_fix(workflow, role, task)}")
+        _check_instruction_of(workflow, role, kind)
     taskkinds.check_phrases(kind.phrases(), phrases(), f"task kind {task!r}")
+    _dry_run(workflow, task, table, params)
+
+
+def _check_instruction_of(workflow: str, role: str, kind) -> None:
+    """`role` has an instruction of its own on the kind (the workflow's registered one, or the
+    kind's for that role), or is a role the kind's default was written for (`default_for`) and
+    not one whose output is parsed. Else it would be asked another role's question (math's
+    default is the generator's "Solve the math problem..."): a parser would fall back on every
+    call, and under --credit own a solution role would be paid the grade of an answer it was
+    never meant to write."""
+    if _own_instruction(role, kind.name) is not None:
+        return
+    if ROLE_KINDS[role] in PARSED:
+        raise ValueError(f"workflow {workflow!r} on task {kind.name!r}: the {role}'s output is parsed (a "
+                         f"{ROLE_KINDS[role]} role), but it has no instruction of its own on {kind.name}, only the "
+                         f"task kind's default, written for another role; give it one: {_fix(workflow, role, kind.name)}")
+    if role not in kind.default_for:
+        raise ValueError(f"workflow {workflow!r} on task {kind.name!r}: the {role} has no instruction of its own on "
+                         f"{kind.name}, only the task kind's default, written for "
+                         f"{' and '.join(kind.default_for) or 'no role'}; give it one: {_fix(workflow, role, kind.name)}")
+
+
+def replaced(workflow: str, task: str) -> list[str]:
+    """A line for the workflow and the task kind of a run when a registration replaced the one
+    of that name on purpose (replace=True): the run's start says so."""
+    return ([f"note: workflow {workflow!r} is a replacement registered with replace=True"] * (workflow in REPLACED)
+            + [f"note: task kind {task!r} is a replacement registered with replace=True"] * (task in taskkinds.REPLACED))
 
 
 def _own_instruction(role: str, task: str) -> str | None:
@@ -485,29 +515,58 @@ def pay(episodes: list[Episode], credit: str, grade: Callable[[list, list], list
         c.reward = float(r)
 
 
-def register(name: str, fn: Callable, roles: tuple, slots, kinds: dict | None = None,
-             instructions: dict | None = None, params: tuple = ()) -> None:
-    """Add a workflow: `fn(episodes, llm, task, **params)`, its role types (one adapter each
-    under isolated), its slots (the advantage groups: a tuple, or a function of the parameters'
-    values that gives them), for new role types their kinds (ROLE_KINDS), system instructions of
-    its own {(role, task): text}, and its parameters (Param: flags of train.py and eval.py, axes
-    of sweep.py). Nothing is registered when a check fails: a role with no kind or another kind
-    than it has, an instruction for a (role, task) that has one of its own with another text
-    (ROLE_INSTRUCTIONS is every workflow's: a new role name gives a prompt of its own), one that
-    breaks the phrase rules (taskkinds.check_phrases), a bad parameter. The same again (a
-    re-import) is fine."""
-    kinds, instructions = dict(kinds or {}), dict(instructions or {})
-    resolved = {role: _kind_of(name, role, kinds.get(role)) for role in roles}
-    for key, text in instructions.items():
-        _check_instruction(name, key, text)
-    taskkinds.check_phrases(list(instructions.values()), phrases(), f"workflow {name!r}")
-    for p in params:
-        _check_param(name, p)
-    fixed = tuple(slots) if not callable(slots) else None
-    WORKFLOWS[name], ROLES[name], PARAMS[name] = fn, tuple(roles), tuple(params)
-    SLOTS[name] = slots if fixed is None else (lambda **_: fixed)
+def register(name: str, fn: Callable, slots, kinds: dict | None = None, instructions: dict | None = None,
+             headers: tuple = (), params: tuple = (), replace: bool = False) -> None:
+    """Add a workflow: `fn(episodes, llm, task, **params)`; its slots per role type, {role: (slot,
+    ...)} or a function of the parameters' values that gives them (the role types: one adapter
+    each under isolated; the slots: the advantage groups); for new role types their kinds
+    (ROLE_KINDS); system instructions of its own {(role, task): text}; the user-message headers
+    it adds to USER_PHRASES; and its parameters (Param: flags of train.py and eval.py, axes of
+    sweep.py). Nothing is registered when a check fails (taskkinds.Refused: one line, even
+    uncaught as the module is imported): a name that exists (unless `replace`, which a run of it
+    then reports), a bad slot table (_slot_table), a role with no kind or another kind than it
+    has, an instruction for a (role, task) that has one of its own with another text
+    (ROLE_INSTRUCTIONS is every workflow's: a new role name gives a prompt of its own), text
+    that breaks the phrase rules (taskkinds.check_phrases), a bad parameter."""
+    kinds, instructions, headers = dict(kinds or {}), dict(instructions or {}), tuple(headers)
+    with taskkinds.refusing():
+        if name in WORKFLOWS and not replace:
+            raise ValueError(f"workflow {name!r} exists; choose another name, or pass replace=True to "
+                             f"replace it on purpose")
+        table = _slot_table(name, slots() if callable(slots) else slots)
+        resolved = {role: _kind_of(name, role, kinds.get(role)) for role in table}
+        for key, text in instructions.items():
+            _check_instruction(name, key, text)
+        taskkinds.check_phrases([*headers, *instructions.values()], phrases(), f"workflow {name!r}")
+        for p in params:
+            _check_param(name, p)
+    if name in WORKFLOWS:
+        REPLACED.add(name)
+    WORKFLOWS[name], ROLES[name], PARAMS[name], HEADERS[name] = fn, tuple(table), tuple(params), headers
+    SLOTS[name] = slots if callable(slots) else (lambda **_: table)
     ROLE_KINDS.update(resolved)
     ROLE_INSTRUCTIONS.update(instructions)
+
+
+def _slot_table(workflow: str, given) -> dict:
+    """{role: (slot, ...)} from `given` ({role: a slot or slots}); a ValueError in one line for
+    another shape, a role with no slot, or a slot two roles share (GRPO groups rows by
+    (problem, slot), so their advantages would mix)."""
+    if not isinstance(given, dict) or not given:
+        raise ValueError(f"workflow {workflow!r}: slots are {{role: (slot, ...)}}, one entry per role, got "
+                         f"{taskkinds.shortened(repr(given))}")
+    table, owner = {}, {}
+    for role, names in given.items():
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if not (isinstance(role, str) and role and names and all(isinstance(n, str) and n for n in names)):
+            raise ValueError(f"workflow {workflow!r}: role {role!r} needs one slot name or more, got {names!r}")
+        for slot in names:
+            if owner.setdefault(slot, role) != role:
+                raise ValueError(f"workflow {workflow!r}: slot {slot!r} is both the {owner[slot]}'s and the {role}'s; "
+                                 f"advantages are grouped by (problem, slot), so their rows would share a group: "
+                                 f"give the {role} slots of its own")
+        table[role] = tuple(dict.fromkeys(names))
+    return table
 
 
 def _kind_of(workflow: str, role: str, kind: str | None) -> str:
@@ -554,36 +613,114 @@ def params_by_dest() -> dict:
     return out
 
 
+def slot_table(name: str, **params) -> dict:
+    """{role: (slot, ...)} of workflow `name` with these parameter values (its defaults for the
+    rest), checked as register checks a fixed table, and naming the roles it registered."""
+    table = _slot_table(name, SLOTS[name](**params))
+    if set(table) != set(ROLES[name]):
+        raise ValueError(f"workflow {name!r} with {params}: its slots name the roles {sorted(table)}, not its "
+                         f"roles {sorted(ROLES[name])}")
+    return table
+
+
 def slots_of(name: str, **params) -> tuple[str, ...]:
-    """The slots workflow `name` fills with these parameter values (its defaults for the rest)."""
-    return tuple(SLOTS[name](**params))
+    """The slots workflow `name` fills with these parameter values, every role's in turn."""
+    return tuple(s for names in slot_table(name, **params).values() for s in names)
 
 
-def _voting_slots(n_voters: int = 3) -> tuple:
-    return (*(f"generator{i}" for i in range(n_voters)), "aggregator")
+def _voting_slots(n_voters: int = 3) -> dict:
+    return {"generator": tuple(f"generator{i}" for i in range(n_voters)), "aggregator": ("aggregator",)}
 
 
-register("single", single, ("generator",), ("generator",))
-register("voting", voting, ("generator", "aggregator"), _voting_slots,
+register("single", single, {"generator": ("generator",)})
+register("voting", voting, _voting_slots,
          params=(Param("n_voters", int, 3, (1, len(SOLUTION_HEADERS)), "generators that answer the same prompt"),))
-register("eval_opt", eval_opt, ("generator", "evaluator"), ("generator", "evaluator"),
+register("eval_opt", eval_opt, {"generator": ("generator",), "evaluator": ("evaluator",)},
          params=(Param("max_rounds", int, None, (0, 9), "most evaluator rounds (default: the task kind's, 3 for "
                        "math and 2 for code, the paper's)", flag="eval-rounds"),))
-register("orch_workers", orch_workers, ("orchestrator", "worker", "synthesizer"),
-         ("orchestrator", "worker", "synthesizer"),
+register("orch_workers", orch_workers, {"orchestrator": ("orchestrator",), "worker": ("worker",),
+                                        "synthesizer": ("synthesizer",)},
          params=(Param("max_strategies", int, 3, (1, len(SOLUTION_HEADERS)), "most strategies, so workers, an "
                        "episode runs", flag="max-workers"),))
 
 
 def run_workflow(name: str, episodes: list[Episode], llm: LLM, task: str, **params) -> None:
     """Run workflow `name` on the batch in place, with its parameters' values (PARAMS: voting
-    n_voters=3, eval_opt max_rounds=None, orch_workers max_strategies=3), once its prompts pass
-    `check_instructions`; then check that every call is in a role and slot its registration lists."""
-    check_instructions(name, task)    # also: an unknown workflow or task
-    WORKFLOWS[name](episodes, llm, task, **params)
-    roles, slots = set(ROLES[name]), set(slots_of(name, **params))
-    for call in (c for ep in episodes for c in ep.calls):
-        if call.role not in roles or call.slot not in slots:
-            raise RuntimeError(f"workflow {name!r} made a {call.role} call in slot {call.slot!r}, which its "
-                               f"registration does not list (roles {sorted(roles)}, slots {sorted(slots)}"
-                               f"{f' with {params}' if params else ''})")
+    n_voters=3, eval_opt max_rounds=None, orch_workers max_strategies=3), once `check_run`
+    passes; every stage is checked again as it comes (_check_stage), before its llm call."""
+    check_run(name, task, params)    # also: an unknown workflow or task
+    table = slot_table(name, **params)
+
+    def checked(role, slots, messages_list, keys=None):
+        _check_stage(name, table, role, slots, keys)
+        return llm(role, slots, messages_list, keys=keys)
+    if hasattr(llm, "clip"):
+        checked.clip = llm.clip
+    WORKFLOWS[name](episodes, checked, task, **params)
+
+
+class _StageRefused(ValueError):
+    """A stage refused by _check_stage inside a workflow's own code: the dry run lets every
+    other error of the workflow pass, never this one."""
+
+
+def _check_stage(workflow: str, table: dict, role: str, slots: list, keys) -> None:
+    """A stage's role and slots are its registration's, and its rows have keys (see `stage`): a
+    call of an undeclared role would fail in the policy's routing, one in another role's slot
+    would share its advantage group, and unkeyed rows would draw by the order of calls, which a
+    resumed run or another rank does not repeat."""
+    if role not in table:
+        raise _StageRefused(f"workflow {workflow!r} calls the role {role!r}, which its registration does not declare "
+                       f"(it declares {', '.join(table)}); add it: register({workflow!r}, ..., "
+                       f"slots={{..., {role!r}: (...)}})")
+    stray = next((s for s in slots if s not in table[role]), None)
+    if stray is not None:
+        whose = next((f", the {r}'s" for r, names in table.items() if stray in names), ", which it does not declare")
+        raise _StageRefused(f"workflow {workflow!r} calls the {role} in slot {stray!r}{whose}; a role calls only in its "
+                       f"own slots ({', '.join(table[role])}): declare them in register({workflow!r}, ..., "
+                       f"slots={{{role!r}: (...)}})")
+    if keys is None:
+        raise _StageRefused(f"workflow {workflow!r} calls llm({role!r}, ...) without row keys, so its draws would follow "
+                       f"the order of calls, which a resumed run or another rank does not repeat; call it through "
+                       f"stage(llm, role, slots, messages_list, owners)")
+
+
+def _dry_run(workflow: str, task: str, table: dict, params: dict) -> None:
+    """Run the workflow on two episodes of an empty problem with an llm that writes nothing:
+    each stage is checked (_check_stage), and what its prompts hold is then fixed text alone,
+    every line of which must be a phrase (an instruction, a header) or keep the phrase rules and
+    be declared (_check_fixed). A workflow that fails on empty answers ends its dry run there,
+    unchecked beyond; run_workflow still checks each of its stages as it comes."""
+    fixed = {}
+
+    def llm(role, slots, messages_list, keys=None):
+        _check_stage(workflow, table, role, slots, keys)
+        for messages in messages_list:
+            for m in messages:
+                lines = str(m.get("content", "")).split("\n") if isinstance(m, dict) else []
+                for line in filter(None, map(str.strip, lines)):
+                    fixed.setdefault((role, m.get("role") == "system"), {})[line] = None
+        return [Call(role=role, slot=slot, messages=messages) for slot, messages in zip(slots, messages_list)]
+    problem = {"id": "dry-run", "prompt": "", "source": "dry-run"}
+    try:
+        WORKFLOWS[workflow]([Episode(problem, g, stream=("dry-run",)) for g in range(2)], llm, task, **params)
+    except _StageRefused as e:
+        raise ValueError(str(e)) from None
+    except Exception:   # noqa: BLE001 -- the workflow's own limits on empty answers are not a refusal
+        pass
+    _check_fixed(workflow, task, fixed)
+
+
+def _check_fixed(workflow: str, task: str, fixed: dict) -> None:
+    """The fixed text of the dry run's prompts, {(role, system?): lines}: none breaks the phrase
+    rules against phrases() (so a fork's header that holds one, say "Critique of Solution 1:",
+    is refused), and each is a phrase: an instruction (system) or a header (user)."""
+    known = phrases()
+    for (role, system), lines in fixed.items():
+        taskkinds.check_phrases(list(lines), known, f"workflow {workflow!r}, the {role}'s prompt")
+        new = next((line for line in lines if line not in known), None)
+        if new is not None:
+            where = f"instructions={{({role!r}, {task!r}): ...}}" if system else f"headers=({new!r}, ...)"
+            raise ValueError(f"workflow {workflow!r}: the {role}'s {'system' if system else 'user'} message holds the "
+                             f"fixed text {taskkinds.shortened(new)}, which no registration declares; declare it: "
+                             f"register({workflow!r}, ..., {where})")

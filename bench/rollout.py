@@ -72,11 +72,13 @@ def main():
                                 temperature=0.7, max_new_tokens=args.new, seed=0)
 
     def single_stage():
-        llm()("generator", ["generator"] * (N * G), [wf.generator_messages(p, "math") for p in problems for _ in range(G)])
+        llm()("generator", ["generator"] * (N * G), [wf.generator_messages(p, "math") for p in problems for _ in range(G)],
+              keys=[("single", i) for i in range(N * G)])
 
     def voting_stage():
         slots = [f"generator{k}" for k in range(3)]
-        llm()("generator", slots * (N * G), [wf.generator_messages(p, "math") for p in problems for _ in range(3 * G)])
+        llm()("generator", slots * (N * G), [wf.generator_messages(p, "math") for p in problems for _ in range(3 * G)],
+              keys=[("voting", i) for i in range(3 * N * G)])
 
     def episodes(workflow):
         return lambda: rollout.run_episodes(llm(), workflow, problems, G, "math")

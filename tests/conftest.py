@@ -27,15 +27,32 @@ def no_long_run_in_the_repository(monkeypatch):
     monkeypatch.setattr(train, "start_run", guarded)
 
 
-@pytest.fixture
-def registries(monkeypatch):
-    """The workflow and task-kind registries, restored after the test: what a test registers
-    leaves no trace in the tests after it."""
+BUILT_IN = ("single", "voting", "eval_opt", "orch_workers")   # the built-in workflows
+TASKS = ("math", "code")                                     # the built-in task kinds
+
+
+def keep_built_in(set_attr=setattr):
+    """Make the workflow and task-kind registries hold the built-in ones alone, each registry
+    replaced by a new dict through `set_attr(module, name, value)`."""
     import taskkinds
     import workflows
-    for name in ("WORKFLOWS", "ROLES", "SLOTS", "PARAMS", "ROLE_KINDS", "ROLE_INSTRUCTIONS"):
-        monkeypatch.setattr(workflows, name, dict(getattr(workflows, name)))
-    monkeypatch.setattr(taskkinds, "TASK_KINDS", dict(taskkinds.TASK_KINDS))
+    roles = {r for w in BUILT_IN for r in workflows.ROLES[w]}
+    for name in ("WORKFLOWS", "ROLES", "SLOTS", "PARAMS", "HEADERS"):
+        set_attr(workflows, name, {w: getattr(workflows, name)[w] for w in BUILT_IN})
+    set_attr(workflows, "ROLE_KINDS", {r: k for r, k in workflows.ROLE_KINDS.items() if r in roles})
+    set_attr(workflows, "ROLE_INSTRUCTIONS", {})   # the built-in workflows register none
+    set_attr(workflows, "REPLACED", set())
+    set_attr(taskkinds, "TASK_KINDS", {t: taskkinds.TASK_KINDS[t] for t in TASKS})
+    set_attr(taskkinds, "REPLACED", set())
+
+
+@pytest.fixture
+def registries(monkeypatch):
+    """Scratch workflow and task-kind registries that hold the built-in ones alone, for the
+    test's own registrations, restored after it: what a fork registers in workflows.py or
+    taskkinds.py (a role named "judge", a kind named "parity", an instruction of its own) cannot
+    collide with a test's, and what a test registers leaves no trace in the tests after it."""
+    keep_built_in(monkeypatch.setattr)
 
 
 def tiny_qwen3(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, seed=0, eos=(1, 2)):

@@ -309,7 +309,7 @@ def test_role_groups_and_colours_come_from_the_workflow_registry(registries, tmp
     assert analysis.sup_gen_ratio({"orchestrator": 10.0, "worker": 1.0, "synthesizer": 3.0}) is None
     assert analysis.sup_gen_ratio({"evaluator": 6.0, "generator": 1.0, "orchestrator": 100.0}) == pytest.approx(6.0)
     # a fifth workflow registered in workflows.py only: its new role is grouped by the kind it declares
-    workflows.register("best_of_2", workflows.single, ("generator", "judge"), ("generator0", "generator1", "judge"),
+    workflows.register("best_of_2", workflows.single, {"generator": ("generator0", "generator1"), "judge": ("judge",)},
                        kinds={"judge": "supervisory"})
     assert analysis.role_kind("judge") == "supervisory"
     assert analysis.sup_gen_ratio({"judge": 4.0, "generator": 2.0}) == pytest.approx(2.0)

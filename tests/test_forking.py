@@ -138,7 +138,7 @@ def test_the_readmes_task_kind_registers_and_runs_voting(registries):
                                                       aggregator="\\boxed{2}"), "word")
     assert taskkinds.score([episodes[0].final_text], [problem], "word") == [1.0]
     with pytest.raises(ValueError, match=r"register_task\('word', \.\.\., instructions=\{'evaluator': \.\.\.\}\)$"):
-        workflows.check_instructions("eval_opt", "word")             # as the README says
+        workflows.check_run("eval_opt", "word")                     # as the README says
 
 
 def test_records_name_their_task_kind_and_its_check_validates_them(parity, tmp_path):
@@ -235,7 +235,7 @@ def test_a_workflow_parameter_is_a_sweep_axis_of_its_workflow_alone(debate, tmp_
 
 
 def test_a_new_role_with_no_instruction_on_the_task_is_refused_in_one_line(debate, tmp_path, capsys):
-    workflows.register("umpired", debate, ("generator", "umpire"), ("generator0", "generator1", "umpire"),
+    workflows.register("umpired", debate, {"generator": ("generator0", "generator1"), "umpire": "umpire"},
                        kinds={"umpire": "supervisory"})
     line = refused(capsys, ["--workflow", "umpired", "--scale", "0.6b", "--out", str(tmp_path / "r")])
     assert line == ("error: workflow 'umpired' on task 'math': the umpire's output is parsed (a supervisory role), but "

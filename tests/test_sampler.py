@@ -613,3 +613,5 @@ def test_make_llm_fast_and_simple_samplers_give_the_same_calls(tmp_path):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
     with pytest.raises(ValueError, match="sampler"):
         rollout.make_llm(pol, sampler="vllm")
+    with pytest.raises(ValueError, match=r"needs keys=, one per row"):   # draws by call order: not on resume
+        rollout.make_llm(pol)("generator", ["generator"], msgs[:1])

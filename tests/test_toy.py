@@ -74,7 +74,7 @@ def test_every_character_is_one_distinct_token(tok):
 
 
 def test_every_phrase_and_word_is_one_token(tok):
-    for text in list(wf.phrases()) + toy.WORDS:
+    for text in list(toy.phrases()) + toy.WORDS:   # the toy world's own: a fork's phrases are characters
         one = _ids(tok, text)
         assert len(one) == 1, repr(text)
         assert tok.decode(one) == text
@@ -685,8 +685,8 @@ def test_a_forks_registrations_leave_the_toy_world_as_it_was(registries):
     before = ({t: toy._key(t, toy.WARM) for t in TASKS}, toy.build_tokenizer().get_vocab(),
               {t: toy.model_folder(t) for t in TASKS})
     judge = "Read both answers and name the better one as \\boxed{1} or \\boxed{2}."
-    wf.register("pair_judge", lambda episodes, llm, task: None, roles=("generator", "judge"),
-                slots=("generator0", "generator1", "judge"), kinds={"judge": "supervisory"},
+    wf.register("pair_judge", lambda episodes, llm, task: None,
+                slots={"generator": ("generator0", "generator1"), "judge": ("judge",)}, kinds={"judge": "supervisory"},
                 instructions={("judge", "math"): judge})
     taskkinds.register_task("parity_toy", lambda text, problem: 0.0, instructions={"generator": "Say odd or even."},
                             default="Answer in one word.", check=lambda record: None)
@@ -711,8 +711,8 @@ def test_a_forks_registrations_leave_a_default_toy_runs_samples_as_they_were(reg
             sha = json.load(f)["provenance"]["model_sha256"]
         return sha, (out / "samples.jsonl").read_text(), (out / "eval.jsonl").read_text()
     before = run("before")
-    wf.register("pair_judge", lambda episodes, llm, task: None, roles=("generator", "judge"),
-                slots=("generator0", "generator1", "judge"), kinds={"judge": "supervisory"},
+    wf.register("pair_judge", lambda episodes, llm, task: None,
+                slots={"generator": ("generator0", "generator1"), "judge": ("judge",)}, kinds={"judge": "supervisory"},
                 instructions={("judge", "math"): "Name the better of the two answers as \\boxed{1} or \\boxed{2}."})
     taskkinds.register_task("parity_run", lambda text, problem: 0.0, instructions={"generator": "Say odd or even."},
                             default="Answer in one word.", check=lambda record: None)

@@ -29,8 +29,7 @@ CODE = [
      "tests": {"kind": "stdio", "cases": [{"stdin": "3\n", "stdout": "6\n"}]}},
 ]
 PROBLEMS = {"math": MATH, "code": CODE}
-TASKS = ("math", "code")                                    # the built-in task kinds
-BUILT_IN = ("single", "voting", "eval_opt", "orch_workers")  # the built-in workflows
+from conftest import BUILT_IN, TASKS   # the built-in workflows and task kinds
 
 
 class FakeLLM:
@@ -107,9 +106,11 @@ def test_phrases_are_distinct_single_line_and_none_inside_another():
             assert p == q or p not in q, f"{p!r} inside {q!r}: a whole-phrase tokenizer would split it"
     for p in W.phrases(kinds=TASKS, registered=False):   # the house's own prompts are short; a fork's may be longer
         assert p.count(". ") <= 1, f"instruction longer than two sentences: {p!r}"
-    # every string constant of the module that ends up in prompts is listed
-    consts = [v for m in (W, K) for k, v in vars(m).items() if k.isupper() and isinstance(v, str)]
-    assert consts and all(c in W.phrases() for c in consts)
+    # every fixed string that ends up in a built-in prompt is listed: check_run's dry run finds
+    # each one (what a prompt holds once the problem and the answers are empty) among phrases()
+    for name in BUILT_IN:
+        for task in TASKS:
+            W.check_run(name, task)
     for kind in K.TASK_KINDS.values():
         assert {*kind.instructions.values(), kind.revision(), kind.default} <= set(W.phrases())
     assert {"Solution 1:", "Solution 2:", "Solution 3:"} <= set(W.phrases())
@@ -126,10 +127,10 @@ def test_registration_refuses_text_that_breaks_the_phrase_rules_in_one_line(regi
              (pick(" Pick one."), "an instruction is one non-empty line")]
     for given, message in cases:
         with pytest.raises(ValueError) as e:
-            W.register("picky", W.single, ("generator", "picker"), ("generator", "picker"), **given)
+            W.register("picky", W.single, {"generator": "generator", "picker": "picker"}, **given)
         assert str(e.value).startswith("workflow 'picky': ") and message in str(e.value) and "\n" not in str(e.value)
         assert "picky" not in W.WORKFLOWS and "picker" not in W.ROLE_KINDS
-    W.register("picky", W.single, ("generator", "picker"), ("generator", "picker"), **pick(K.AGGREGATOR_MATH))
+    W.register("picky", W.single, {"generator": "generator", "picker": "picker"}, **pick(K.AGGREGATOR_MATH))
     assert W.instruction("picker", "math") == K.AGGREGATOR_MATH       # equal to a phrase: shared, fine
     with pytest.raises(ValueError, match=r"^task kind 'yes_no': the fixed prompt string 'Solve the math problem step "
                                          r"by step.' is inside 'Solve the math problem step by step. Put\.\.\.'"):
@@ -146,21 +147,21 @@ def test_an_instruction_of_a_role_on_a_task_is_never_silently_replaced(registrie
     """ROLE_INSTRUCTIONS is keyed by (role, task), so a workflow's instruction is that role's in
     every workflow: another text for a (role, task) that has one is refused; the same again is fine."""
     with pytest.raises(ValueError) as e:
-        W.register("loud", W.voting, ("generator", "aggregator"), ("generator0", "aggregator"),
+        W.register("loud", W.voting, {"generator": "generator0", "aggregator": "aggregator"},
                    instructions={("aggregator", "math"): "Pick the best solution as \\boxed{k}."})
     assert str(e.value) == ("workflow 'loud': the aggregator on math already has the instruction 'Compare the "
                             "numbered solutions and pick...', which every workflow's aggregator reads; a prompt of "
                             "its own needs a new role name (e.g. loud_aggregator, with its kind)")
     assert "loud" not in W.WORKFLOWS and W.instruction("aggregator", "math") == K.AGGREGATOR_MATH
     judge = {("judge", "math"): "Name the better solution as \\boxed{1} or \\boxed{2}."}
-    for name in ("first", "first", "second"):      # a re-import, and another workflow, with the same text
-        W.register(name, W.single, ("generator", "judge"), ("generator",), kinds={"judge": "supervisory"},
+    for name in ("first", "second"):      # another workflow with the same text: one prompt, shared
+        W.register(name, W.single, {"generator": "generator", "judge": "judge"}, kinds={"judge": "supervisory"},
                    instructions=judge)
     with pytest.raises(ValueError, match="^workflow 'third': the judge on math already has the instruction 'Name the "):
-        W.register("third", W.single, ("generator", "judge"), ("generator",), instructions={("judge", "math"): "Pick."})
+        W.register("third", W.single, {"generator": "generator", "judge": "judge"}, instructions={("judge", "math"): "Pick."})
     with pytest.raises(ValueError, match="^workflow 'fourth': role 'judge' is supervisory in every workflow, not "
                                          "solution; a role of another kind needs a new name$"):
-        W.register("fourth", W.single, ("generator", "judge"), ("generator",), kinds={"judge": "solution"})
+        W.register("fourth", W.single, {"generator": "generator", "judge": "judge"}, kinds={"judge": "solution"})
 
 
 def test_code_and_math_instructions_ask_for_their_answer_format():
@@ -504,7 +505,7 @@ def test_run_workflow_validates_name_and_task():
     assert set(W.WORKFLOWS) == set(W.ROLES) == set(W.SLOTS) == set(W.PARAMS) >= set(BUILT_IN)
 
 
-def test_slots_follow_the_parameters_and_a_call_in_an_unlisted_slot_is_an_error(registries):
+def test_slots_follow_the_parameters_and_a_call_in_an_undeclared_slot_is_refused(registries):
     eps = episodes_for("math", 1)
     llm = FakeLLM(generator=[f"s{k}" for k in range(8)], aggregator="\\boxed{8}")
     W.run_workflow("voting", eps, llm, "math", n_voters=8)
@@ -516,9 +517,14 @@ def test_slots_follow_the_parameters_and_a_call_in_an_unlisted_slot_is_an_error(
                         [W.generator_messages(ep.problem, task) for ep in episodes], episodes)
         for ep, call in zip(episodes, calls):
             ep.calls.append(call)
-    W.register("stray", stray, ("generator",), ("generator",))
-    with pytest.raises(RuntimeError, match="made a generator call in slot 'generator9', which its registration"):
-        W.run_workflow("stray", episodes_for("math", 1), FakeLLM(generator="x"), "math")
+    W.register("stray", stray, {"generator": "generator"})
+    llm = FakeLLM(generator="x")
+    with pytest.raises(ValueError) as e:         # the dry run at the start: before any call
+        W.run_workflow("stray", episodes_for("math", 1), llm, "math")
+    assert str(e.value) == ("workflow 'stray' calls the generator in slot 'generator9', which it does not declare; a "
+                            "role calls only in its own slots (generator): declare them in register('stray', ..., "
+                            "slots={'generator': (...)})")
+    assert llm.log == []
 
 
 def test_llm_returning_the_wrong_number_of_calls_is_an_error():
