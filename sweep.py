@@ -11,7 +11,8 @@
 Choices:
 - A cell is workflow x task x sharing [x lr] [x axis values] x seed at one scale. The workflows
   and tasks are the registered ones (workflows.WORKFLOWS, taskkinds.TASK_KINDS; --help lists
-  them); sharings: shared, isolated. A workflow with one role (single) is the same run shared or
+  them; by default every task kind with a default data set at the scale, so arith only on a real
+  model); sharings: shared, isolated. A workflow with one role (single) is the same run shared or
   isolated: it runs once per task, as `shared` if that is listed, else as the first sharing
   given. The paper's four workflows and two tasks make 3 x 2 x 2 + 2 = 14 cells per seed (and
   per lr).
@@ -63,6 +64,7 @@ from dataclasses import dataclass
 import analysis   # the run-folder analysis (eval.py --runs): cliff defaults, tables
 import eval as evaluation  # analyse: summaries, plots and the report
 import taskkinds  # torch-free: the task kinds
+import tasks      # torch-free: each kind's default data set per scale
 import workflows  # torch-free: the workflows and their parameters
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -231,8 +233,9 @@ def parse_args(argv=None):
     # --- the matrix
     p.add_argument("--workflows", nargs="+", default=list(workflows.WORKFLOWS), choices=list(workflows.WORKFLOWS),
                    metavar="WORKFLOW", help="workflows to run, of %(choices)s (default: all)")
-    p.add_argument("--tasks", nargs="+", default=list(taskkinds.TASK_KINDS), choices=list(taskkinds.TASK_KINDS),
-                   metavar="TASK", help="tasks to run, of %(choices)s (default: all)")
+    p.add_argument("--tasks", nargs="+", default=None, choices=list(taskkinds.TASK_KINDS),
+                   metavar="TASK", help="tasks to run, of %(choices)s (default: every task kind with a default data "
+                   "set at --scale: math and code at toy)")
     p.add_argument("--sharings", nargs="+", default=SHARINGS, choices=SHARINGS, metavar="SHARING",
                    help="sharing modes to run, of %(choices)s (default: all)")
     p.add_argument("--scale", default="toy",
@@ -261,6 +264,8 @@ def parse_args(argv=None):
 
     if args.jobs < 1:
         p.error("--jobs must be at least 1")
+    # a kind without data at this scale (arith at toy) would be a cell train.py refuses
+    args.tasks = args.tasks or [k for k in taskkinds.TASK_KINDS if tasks.default_data(args.scale, k)]
     args.axes = [parse_axis(p, a) for a in args.axis]
     flags_of_axes = tuple(f for f, _ in args.axes)
     check_axes(p, flags_of_axes, args.workflows)
