@@ -11,7 +11,8 @@ Choices:
 - A kept run is results/STUDY/SWEEP/RUN/ (its sweep's folder name and its own, e.g.
   amplification-frozen-aggregator/voting-math-isolated-toy-lr2e-3-n-voters8-s0) with
   config.json, metrics.jsonl and eval.jsonl (each gzip-compressed, as FILE.gz, past GZIP_OVER
-  bytes) and an empty `done`: no checkpoints, no samples. Only a finished run is kept (its
+  bytes) and an empty `done`: no checkpoints, and no samples but for a study that quotes them
+  (Study.samples: samples.jsonl too). Only a finished run is kept (its
   folder has `done`); keeping it again replaces it.
 - One study, one commit and one toy model: `keep` refuses a run whose provenance (the commit,
   a dirty tree, the base model's sha256; config.json's `provenance`) differs from the runs
@@ -87,6 +88,11 @@ def _damping_arm(cfg: dict) -> str:
     return f"{cfg.get('workflow')}, {arm}"
 
 
+def _real_arm(cfg: dict) -> str:
+    """Study R's arm: the workflow, and for a workflow of several roles its sharing."""
+    return "single" if cfg.get("workflow") == "single" else f"{cfg.get('workflow')}, {cfg.get('sharing')}"
+
+
 @dataclass
 class Study:
     """One study: what it asks, how its runs split into arms, the contrasts it reports."""
@@ -102,6 +108,9 @@ class Study:
     mechanisms: list = field(default_factory=lambda: ["displacement", "len", "parse_fail"])
     measures: tuple = ("final_acc",)              # what the contrasts compare (MEASURES)
     paired: bool = False                          # a seed's arms share model, problems, step 0: pair by seed
+    intervals: bool = False                       # each arm's gain with its 95% interval over seeds (t)
+    samples: bool = False                         # keep samples.jsonl too (transcripts the page quotes)
+    curve: bool = False                           # a second figure: accuracy and reward by step, per arm
 
 
 MEASURES = {"final_acc": "final accuracy", "gain": "the gain (final minus step 0)", "drop": "the drop from the peak"}
@@ -161,6 +170,16 @@ STUDIES = {
         runs="python sweep.py --jobs 1 --tasks math --workflows W --sharings isolated --lrs 2e-3 --seeds S "
              "-- --steps 60 --eval-every 10 --eval-problems 256 [--coherence-damp worker=0.5 | generator=0.5] "
              "[--damp-placebo]"),
+    "real": Study(
+        "A real model learns: SmolLM2-135M-Instruct on arith (a + b, 1-20, graded on the last number), "
+        "on a CPU", _real_arm, ["single", "voting, shared", "voting, isolated"],
+        [("voting, isolated", "voting, shared")],
+        roles=("generator", "aggregator"), mechanisms=["len0", "len", "step_s"], measures=("final_acc", "gain"),
+        intervals=True, samples=True, curve=True,
+        runs="python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single --seeds S "
+             "--out runs/real -- " + " ".join(["--problems-per-step 8 --group-size 8 --steps 24 --eval-every 6",
+                                              "--eval-problems 0 --lr 1e-4 --warmup-steps 2 --lora-rank 16",
+                                              "--grad-checkpointing off --device cpu"]) + ": results/lab.sh part R"),
 }
 
 
@@ -219,7 +238,7 @@ def keep(study: str, run: str) -> str:
         raise ValueError(f"{run}: commit / dirty / toy model {mine[:3]} differ from the study's runs {sorted(others)}")
     shutil.rmtree(dest, ignore_errors=True)
     os.makedirs(dest)
-    for f in KEPT:
+    for f in kept_files(study):
         src = os.path.join(run, f)
         if os.path.getsize(src) > GZIP_OVER:
             with open(src, "rb") as a, gzip.open(os.path.join(dest, f + ".gz"), "wb") as b:
@@ -228,6 +247,12 @@ def keep(study: str, run: str) -> str:
             shutil.copy(src, dest)
     open(os.path.join(dest, "done"), "w").close()
     return dest
+
+
+def kept_files(study: str) -> tuple:
+    """The files a kept run of `study` holds, beside `done`: KEPT, and samples.jsonl where the
+    study quotes transcripts (Study.samples)."""
+    return KEPT + (("samples.jsonl",) if STUDIES[study].samples else ())
 
 
 def restore(study: str, worktree: str) -> list:
@@ -247,7 +272,7 @@ def restore(study: str, worktree: str) -> list:
             print(f"skipped {kept}: {dest} is already there", file=sys.stderr)
             continue
         os.makedirs(dest)
-        for f in KEPT:
+        for f in kept_files(study):
             src = os.path.join(kept, f)
             with (open(src, "rb") if os.path.isfile(src) else gzip.open(src + ".gz", "rb")) as a, \
                     open(os.path.join(dest, f), "wb") as b:
@@ -290,7 +315,9 @@ def _mechanism(run: dict, s: dict, key: str, role: str):
     """One mechanism number of one run for a role: its adapter's displacement per step, its
     gradient share, its length and parse-failure rate at the end (the last tenth / the last
     evaluation), the damping's mean scale, and under shared the cosine between the role's
-    descent direction and the one adapter's move (`move_cos`: which role the move followed)."""
+    descent direction and the one adapter's move (`move_cos`: which role the move followed); its
+    length in the first tenth of training (`len0`); the run's wall seconds per training step
+    (`step_s`, under its first role)."""
     m = s["mechanisms"]
     if key == "displacement":
         return _adapter_move(run, role)
@@ -298,6 +325,12 @@ def _mechanism(run: dict, s: dict, key: str, role: str):
         return m["grad_share"].get(role)
     if key == "len":
         return (m["len_drift"].get(role) or (None, None))[1]
+    if key == "len0":
+        return (m["len_drift"].get(role) or (None, None))[0]
+    if key == "step_s":   # the run's, shown once: under its first role
+        first = next(iter((run["metrics"] or [{}])[-1].get("roles", {})), None)
+        times = [x["time"]["step"] for x in run["metrics"] if (x.get("time") or {}).get("step") is not None]
+        return sum(times) / len(times) if role == first and times else None
     if key == "parse_fail":
         return (m.get("parse_fail_drift", {}).get(role) or (None, None))[1]
     if key == "move_cos":
@@ -467,6 +500,37 @@ def contrast_lines(study: str, rows: dict, groups: dict | None = None) -> list:
     return out
 
 
+# the 0.975 quantile of Student's t by degrees of freedom (n seeds - 1), for a 95% interval
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def t975(df: int) -> float:
+    """T975, and past it the Cornish-Fisher expansion around 1.96 (within 0.001 from 10 on)."""
+    if df in T975:
+        return T975[df]
+    z = 1.959964
+    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
+
+
+def interval_lines(study: str, rows: dict) -> list:
+    """Each arm's gain (held-out accuracy at the end minus step 0) with its 95% interval over
+    seeds, mean ± t(0.975, n - 1) standard errors: what a study whose question is "does it learn
+    at all" reports (Study.intervals), whatever it shows."""
+    out = []
+    for name in [a for a in STUDIES[study].order if a in rows] + sorted(set(rows) - set(STUDIES[study].order)):
+        gains = [rows[name]["by_seed"][k]["gain"] for k in rows[name]["seeds"]]
+        gains = [g for g in gains if g is not None]
+        if len(gains) < 2:
+            out.append(f"- {name}: gain (final minus step 0) {_pm(_mean_se(gains))} points, {len(gains)} seed: no interval")
+            continue
+        m, se = _mean_se(gains)
+        half = t975(len(gains) - 1) * se
+        out.append(f"- {name}: gain (final minus step 0) {m:+.1f} points, 95% interval [{m - half:+.1f}, {m + half:+.1f}] "
+                   f"over {len(gains)} seeds (mean ± t(0.975, {len(gains) - 1}) x standard error {se:.1f})")
+    return out
+
+
 def report_text(study: str) -> str:
     """The study's block of docs/RESULTS.md, from its kept runs alone."""
     st = STUDIES[study]
@@ -477,9 +541,14 @@ def report_text(study: str) -> str:
     origins = sorted({origin(run["config"], study) for runs in groups.values() for run, _ in runs}, key=str)
     by = f" ({st.model_by} {{}})" if st.model_by else ""
     shipped = shipped_models()
-    code = "; ".join(f"commit {(o[0] or '?')[:7]}{' (dirty)' if o[1] else ''} and toy model {(o[2] or '?')[:12]}"
-                     + by.format(*o[3:]) + (f", shipped as toy_models/{shipped[o[2]]}" if o[2] in shipped else
-                                            ", not shipped") for o in origins)
+    scales = sorted({run["config"].get("scale") or "toy" for runs in groups.values() for run, _ in runs})
+    if scales == ["toy"]:
+        model, where = "toy model", lambda sha: (f", shipped as toy_models/{shipped[sha]}" if sha in shipped
+                                                 else ", not shipped")
+    else:   # a real model: named by its scale; the toy models' manifest does not hold it
+        model, where = f"model ({', '.join(scales)})", lambda sha: ""
+    code = "; ".join(f"commit {(o[0] or '?')[:7]}{' (dirty)' if o[1] else ''} and {model} {(o[2] or '?')[:12]}"
+                     + by.format(*o[3:]) + where(o[2]) for o in origins)
     n = sum(len(r) for r in groups.values())
     parts = [f"{n} run{'s' if n > 1 else ''} in results/{study}/, from {code}. "
              "Accuracy in %, mean ± standard error over seeds; mechanisms: means over seeds "
@@ -487,8 +556,11 @@ def report_text(study: str) -> str:
              "of training; parse_fail: at the last evaluation; share: of the step's gradient mass"
              + ("; move_cos: cosine between the role's descent direction and the shared adapter's "
                 "move, whose displacement is shown once, under the first role" if "move_cos" in st.mechanisms else "")
+             + ("; len0: tokens in the first tenth of training" if "len0" in st.mechanisms else "")
+             + ("; step_s: wall seconds a training step, under the first role" if "step_s" in st.mechanisms else "")
              + ").",
-             "", table(study, rows), "", *contrast_lines(study, rows, groups)]
+             "", table(study, rows), "", *(interval_lines(study, rows) if st.intervals else []),
+             *contrast_lines(study, rows, groups)]
     return "\n".join(parts).rstrip()
 
 
@@ -587,13 +659,20 @@ def figure_values(study: str) -> tuple:
 
 
 def write_figure(study: str) -> str | None:
-    """docs/figures/study-STUDY.png: figure_values's panels, each seed a dot, mean ± se a bar."""
+    """docs/figures/study-STUDY.png: figure_values's panels, each seed a dot, mean ± se a bar; and
+    for a study with a curve (Study.curve) study-STUDY-curve.png: held-out accuracy and training
+    reward by step, each arm's mean over seeds with their range."""
     names, values = figure_values(study)
     if not names:
         return None
     import plots
     os.makedirs(FIGURES, exist_ok=True)
-    return plots.plot_arms(STUDIES[study].title, names, values, os.path.join(FIGURES, f"study-{study}.png"))
+    path = plots.plot_arms(STUDIES[study].title, names, values, os.path.join(FIGURES, f"study-{study}.png"))
+    if STUDIES[study].curve:
+        groups = arms(study)
+        plots.plot_overlay(STUDIES[study].title, {a: [(s, run) for run, s in groups[a]] for a in names},
+                           os.path.join(FIGURES, f"study-{study}-curve.png"))
+    return path
 
 
 if __name__ == "__main__":

