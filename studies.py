@@ -179,7 +179,8 @@ STUDIES = {
         runs="python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single --seeds S "
              "--out runs/real -- " + " ".join(["--problems-per-step 8 --group-size 8 --steps 24 --eval-every 6",
                                               "--eval-problems 0 --lr 1e-4 --warmup-steps 2 --lora-rank 16",
-                                              "--grad-checkpointing off --device cpu"]) + ": results/lab.sh part R"),
+                                              "--grad-checkpointing off --device cpu"]) + ": results/lab.sh part R; the Voting arms: --workflows "
+             "voting --sharings shared isolated and --problems-per-step 4 (part V)"),
 }
 
 

@@ -6,7 +6,8 @@
 # With no PART every part runs in order. A PART is a study letter and a seed (A0, B2, C4, L1 for
 # A's lr 1e-3 runs); for credit, D or E, then the toy model's warm-start seed, then the seed (D10:
 # the N=1 and N=2 arms on toy model 1 with seed 0; E10: its N=8 arms; R0: study R's `single` run of
-# SmolLM2-135M-Instruct on arith with seed 0, about 30 minutes on one free core). Two drivers given disjoint
+# SmolLM2-135M-Instruct on arith with seed 0, about 30 minutes on one free core; V0: its Voting arms,
+# shared and isolated, seed 0, about 2 hours each). Two drivers given disjoint
 # parts can share a 2-core machine, e.g.
 #   bash results/lab.sh ../study A0 A1 B0 B1 B2 L0 L1 L2 &  bash results/lab.sh ../study A2 C0 C1 C2 C3 C4 &
 # Rerunning resumes: sweep.py skips done cells and resumes interrupted ones. On a new machine,
@@ -52,6 +53,12 @@ REAL="--problems-per-step 8 --group-size 8 --steps 24 --eval-every 6 --eval-prob
 real() {
   python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single --seeds $1 --out runs/real -- $REAL
 }
+# its optional Voting arms (shared and isolated; not in the default parts): 4 problems a step, so a
+# step costs about 4 of single's (about 200 s on one free core), about 2 hours a run
+real_voting() {
+  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows voting --sharings shared isolated \
+    --seeds $1 --out runs/real -- $REAL --problems-per-step 4
+}
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(A0 A1 A2 B0 B1 B2 C0 C1 C2 C3 C4 L0 L1 L2 D00 D01 D02 D10 D11 D20 D21 E00 E01 E02 E10 E11 E20 E21 R0 R1 R2)
 for p in "${parts[@]}"; do
@@ -63,7 +70,8 @@ for p in "${parts[@]}"; do
     D??) credit ${p:1:1} ${p:2:1} ;;
     E??) credit ${p:1:1} ${p:2:1} 8 ;;
     R?) real ${p:1} ;;
-    *) echo "lab.sh: unknown part $p (A0-A2, B0-B2, C0-C4, L0-L2, D00-D21, E00-E21, R0-R2)" >&2; exit 2 ;;
+    V?) real_voting ${p:1} ;;
+    *) echo "lab.sh: unknown part $p (A0-A2, B0-B2, C0-C4, L0-L2, D00-D21, E00-E21, R0-R2, V0-V2)" >&2; exit 2 ;;
   esac
 done
 echo "study: parts ${parts[*]} done"
