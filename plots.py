@@ -412,11 +412,12 @@ def plot_cell(c: dict, group: list, path: str) -> str | None:
 
 def plot_overlay(title: str, groups: dict, path: str) -> str | None:
     """Eval accuracy and train reward of one workflow and task: a line (seeds' mean, band)
-    per sharing mode; each seed's cliff step marked with a triangle."""
+    per sharing mode (or per arm of a study: a group named otherwise takes the next color);
+    each seed's cliff step marked with a triangle."""
     Figure = _figure_class()
     fig, axes = _panels(Figure, 2, title, ratios=[2.2, 1])
-    for sharing, group in sorted(groups.items(), key=lambda kv: sharing_order(kv[0])):
-        color = SHARING_COLORS.get(sharing, "tab:gray")
+    for i, (sharing, group) in enumerate(sorted(groups.items(), key=lambda kv: sharing_order(kv[0]))):
+        color = SHARING_COLORS.get(sharing, f"C{i + 2}")
         accs = [[(r["step"], 100 * r["acc"]) for r in run["evals"]] for _, run in group]
         rews = [[(r["step"], 100 * r["reward"]) for r in run["metrics"] if is_num(r.get("reward"))] for _, run in group]
         _band_line(axes[0], accs, color, f"{sharing} ({len(group)} seed{'s' if len(group) > 1 else ''})")

@@ -1,6 +1,6 @@
 """Policies: the base model, hand-written LoRA adapters, and which role trains which weights.
 
-    model, tok = load("toy" | "0.6b" | "1.7b" | "4b" | "/path/to/hf/folder")
+    model, tok = load("toy" | "0.6b" | "1.7b" | "4b" | "smollm2-135m" | "/path/to/hf/folder")
     policy = Policy(model, tok, roles=("generator", "aggregator"), sharing="isolated")
     with policy.using(policy.adapter("aggregator")) as m:   # m is the module to call
         logits = m(input_ids, attention_mask=..., position_ids=...).logits
@@ -35,26 +35,34 @@ import os
 import torch
 import torch.nn as nn
 
+import gguf_models
+
 HUB_IDS = {"0.6b": "Qwen/Qwen3-0.6B", "1.7b": "Qwen/Qwen3-1.7B", "4b": "Qwen/Qwen3-4B"}
 
 
 # ----------------------------------------------------------------------------- loading
 
 def check_scale(scale: str) -> None:
-    """ValueError unless `scale` is toy, a hub scale name, or a folder holding a config.json."""
+    """ValueError unless `scale` is toy, a hub scale name, an offline model whose packages are
+    installed (gguf_models.MODELS), or a folder holding a config.json."""
     if scale == "toy" or scale in HUB_IDS:
         return
+    if scale in gguf_models.MODELS:
+        gguf_models.check(scale)
+        return
     if not os.path.isdir(scale):
-        raise ValueError(f"--scale {scale!r}: no such folder (expected toy, {', '.join(HUB_IDS)}, or a local model folder)")
+        raise ValueError(f"--scale {scale!r}: no such folder (expected toy, {', '.join(HUB_IDS)}, "
+                         f"{', '.join(gguf_models.MODELS)}, or a local model folder)")
     if not os.path.isfile(os.path.join(scale, "config.json")):
         raise ValueError(f"--scale {scale}: folder has no config.json, so it is not a model folder")
 
 
 def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_task: str = "math",
          quiet: bool = False, toy_check: int = 0, toy_seed: int = 0):
-    """(model, tokenizer) for a scale name, `toy` (the warm-started toy model of `toy_task`,
-    with supervisors' checks of `toy_check` tokens, from warm-start seed `toy_seed`: the shipped
-    one, else built on first use), or a local Hugging Face model folder; `quiet`: no progress bars.
+    """(model, tokenizer) for a scale name (a hub id, or an offline model converted once into the
+    cache: gguf_models.py), `toy` (the warm-started toy model of `toy_task`, with supervisors'
+    checks of `toy_check` tokens, from warm-start seed `toy_seed`: the shipped one, else built on
+    first use), or a local Hugging Face model folder; `quiet`: no progress bars.
 
     The base model is frozen (requires_grad False) and in eval mode (no dropout)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,6 +82,10 @@ def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_
         import toy
         path = toy.model_folder(toy_task, toy.settings(toy_check, toy_seed), quiet=quiet)
         reading = toy.reading(path)   # a rebuild cannot replace a cached model while it loads
+    elif scale in gguf_models.MODELS:
+        import toy
+        path = gguf_models.folder(scale, quiet=quiet)
+        reading = toy.reading(path)
     else:
         path = HUB_IDS.get(scale, scale)
     try:

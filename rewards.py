@@ -8,10 +8,12 @@ Public API (all rewards are 1.0 or 0.0)
     last_boxed(text) -> str | None          content of the last \\boxed{...} / \\fbox{...}
     last_code_block(text) -> str | None     the last ```python (or untagged) fenced block
     math_reward(text, gold) -> float
+    last_number(text) -> Fraction | None    the value of the last number written in the text
+    number_reward(text, gold) -> float      the text's last number equals gold (the arith kind)
     code_reward(text, tests, *, timeout=None, memory_mb=4096) -> float
     needs_sympy(answer, gold) -> bool       whether checking a pair may need sympy (a cheap guess)
 The batch entry point training calls, taskkinds.score, grades each task kind with its reward;
-math and code are registered there with math_reward and code_reward.
+math, code and arith are registered there with math_reward, code_reward and number_reward.
 
 Math
     The last box of `text` is compared with `gold` (a GSM8K-style "... #### 18" gold is
@@ -29,6 +31,13 @@ Math
     (killed and restarted past it) and 2 GB of address space, so a pathological answer (huge
     exponents, deep nesting) costs at most that and never blocks a thread; answers over 1,000
     characters are only compared as strings.
+
+Arithmetic (number_reward)
+    The last number written anywhere in the text is the answer, as a reader takes "8 + 9 = 17.
+    The answer is 17." to answer 17: an integer or a decimal, with thousands separators
+    ("1,234"), negative when a minus sign stands before it and not after a word or a digit ("5-3"
+    holds 5 and 3). It must equal `gold` exactly (rationals); no number scores 0, and so does a
+    text whose last number is not its answer ("17, I think, or 2").
 
 Code
     The last fenced python block (```python, ```py, ```python3 or an untagged fence) is the
@@ -477,6 +486,31 @@ def _sympy_request(req) -> dict:
     except Exception:
         eq = False
     return {"eq": eq}
+
+
+# ----------------------------------------------------------------------------------------
+# Arithmetic: the last number
+# ----------------------------------------------------------------------------------------
+
+# a minus sign belongs to the number unless a word character or a closing bracket stands before
+# it ("5-3", "x-1", "(2)-1" are subtractions); "1,234" is one number, "1, 234" two
+_LAST_NUMBER = re.compile(r"(?:(?<![\w)\]])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+
+
+def last_number(text: str) -> Fraction | None:
+    """The value of the last number in `text` (module docstring), exactly; None when it has none."""
+    if not isinstance(text, str):
+        return None
+    last = None
+    for last in _LAST_NUMBER.finditer(text):
+        pass
+    return None if last is None else Fraction(last.group().replace(",", ""))
+
+
+def number_reward(text: str, gold: str) -> float:
+    """1.0 when the last number of `text` equals the number `gold`, else 0.0."""
+    value = last_number(text)
+    return float(value is not None and value == Fraction(str(gold).strip()))
 
 
 # ----------------------------------------------------------------------------------------

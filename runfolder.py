@@ -170,7 +170,9 @@ def find_checkpoint(out, name="ckpt-last", upto=None):
 
 # ----------------------------------------------------------------------------- provenance
 
-HASH_LIMIT = 256 * 2**20   # bytes: larger weight files are not hashed (null), a hub model is named by its id
+# bytes: larger weight files are not hashed (null), a hub model is named by its id; the fp32
+# SmolLM2-135M (538 MB, gguf_models.py) is under it, so its runs record the model's sha256
+HASH_LIMIT = 2**30
 
 
 def _git(*argv):

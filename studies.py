@@ -11,7 +11,8 @@ Choices:
 - A kept run is results/STUDY/SWEEP/RUN/ (its sweep's folder name and its own, e.g.
   amplification-frozen-aggregator/voting-math-isolated-toy-lr2e-3-n-voters8-s0) with
   config.json, metrics.jsonl and eval.jsonl (each gzip-compressed, as FILE.gz, past GZIP_OVER
-  bytes) and an empty `done`: no checkpoints, no samples. Only a finished run is kept (its
+  bytes) and an empty `done`: no checkpoints, and no samples but for a study that quotes them
+  (Study.samples: samples.jsonl too). Only a finished run is kept (its
   folder has `done`); keeping it again replaces it.
 - One study, one commit and one toy model: `keep` refuses a run whose provenance (the commit,
   a dirty tree, the base model's sha256; config.json's `provenance`) differs from the runs
@@ -96,8 +97,9 @@ def _voterfall_arm(cfg: dict) -> str:
     return f"N={n}, {cfg.get('credit') or 'final'}, {steps} step{'s' * (steps != 1)}"
 
 
-def _map_arm(cfg: dict) -> str:
-    """The map's arm: the workflow and its sharing (single has one role: sharing means nothing)."""
+def _workflow_arm(cfg: dict) -> str:
+    """The map's and study R's arm: the workflow and its sharing (single has one role: sharing
+    means nothing there)."""
     return "single" if cfg.get("workflow") == "single" else f"{cfg.get('workflow')}, {cfg.get('sharing')}"
 
 
@@ -124,6 +126,9 @@ class Study:
     signatures: bool = False                      # each fallen run's failure signature (analysis.py)
     paired: bool = False                          # a seed's arms share model, problems, step 0: pair by seed
     borrows: str = ""                             # a study (one commit with this) whose kept runs of this one's arms join them
+    samples: bool = False                         # keep samples.jsonl too (transcripts the page quotes)
+    curve: str = ""                               # a second figure: "runs", every run's accuracy per workflow;
+                                                  # "arms", each arm's mean accuracy and reward by step
 
 
 MEASURES = {"final_acc": "final accuracy", "peak_acc": "peak accuracy", "gain": "the gain (final minus step 0)",
@@ -134,11 +139,11 @@ MAP_WORKFLOWS = ("voting", "eval_opt", "orch_workers")
 STUDIES = {
     "map": Study(
         "The map: every workflow under Shared and Isolated, math, the toy default lr (1e-3), 400 steps",
-        _map_arm, ["single"] + [f"{w}, {sh}" for w in MAP_WORKFLOWS for sh in ("shared", "isolated")],
+        _workflow_arm, ["single"] + [f"{w}, {sh}" for w in MAP_WORKFLOWS for sh in ("shared", "isolated")],
         [(f"{w}, isolated", f"{w}, shared") for w in MAP_WORKFLOWS],
         roles=("generator", "aggregator", "evaluator", "orchestrator", "worker", "synthesizer"),
         mechanisms=["len", "parse_fail"], measures=("peak_acc", "final_acc", "drop"), paired=True,
-        gains=True, signatures=True,
+        gains=True, signatures=True, curve="runs",
         runs="python sweep.py --jobs 1 --tasks math --workflows voting eval_opt orch_workers single --seeds S "
              "--out runs/map -- --steps 400 --eval-every 20 --eval-problems 256 (results/lab.sh part M)"),
     "default": Study(
@@ -196,6 +201,17 @@ STUDIES = {
         runs="the credit study's N=8 cells with --axis mini-batch=1024 (one generator step per training step; "
              "results/lab.sh part F); N=1 and the 8-step arms are the credit study's runs; every N=8 run's end "
              "evaluated role by role with `python studies.py roles RUN...`"),
+    "real": Study(
+        "A real model learns: SmolLM2-135M-Instruct on arith (a + b, 1-20, graded on the last number), "
+        "on a CPU", _workflow_arm, ["single", "voting, shared", "voting, isolated"],
+        [("voting, isolated", "voting, shared")],
+        roles=("generator", "aggregator"), mechanisms=["len0", "len", "step_s"], measures=("final_acc", "gain"),
+        gains=True, samples=True, curve="arms",
+        runs="python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single --seeds S "
+             "--out runs/real -- " + " ".join(["--problems-per-step 8 --group-size 8 --steps 24 --eval-every 6",
+                                              "--eval-problems 0 --lr 1e-4 --warmup-steps 2 --lora-rank 16",
+                                              "--grad-checkpointing off --device cpu"]) + ": results/lab.sh part R; the "
+             "Voting arms: --workflows voting --sharings shared isolated and --problems-per-step 4 (part V)"),
     "damping": Study(
         "Coherence damping against its placebo and against nothing: Isolated, math, lr 2e-3",
         _damping_arm,
@@ -266,7 +282,7 @@ def keep(study: str, run: str) -> str:
         raise ValueError(f"{run}: commit / dirty / toy model {mine[:3]} differ from the study's runs {sorted(others)}")
     shutil.rmtree(dest, ignore_errors=True)
     os.makedirs(dest)
-    for f in KEPT + ((ROLES,) if os.path.isfile(os.path.join(run, ROLES)) else ()):
+    for f in kept_files(study) + ((ROLES,) if os.path.isfile(os.path.join(run, ROLES)) else ()):
         src = os.path.join(run, f)
         if os.path.getsize(src) > GZIP_OVER:
             with open(src, "rb") as a, gzip.open(os.path.join(dest, f + ".gz"), "wb") as b:
@@ -275,6 +291,12 @@ def keep(study: str, run: str) -> str:
             shutil.copy(src, dest)
     open(os.path.join(dest, "done"), "w").close()
     return dest
+
+
+def kept_files(study: str) -> tuple:
+    """The files a kept run of `study` holds, beside `done` (and ROLES where it has one): KEPT,
+    and samples.jsonl where the study quotes transcripts (Study.samples)."""
+    return KEPT + (("samples.jsonl",) if STUDIES[study].samples else ())
 
 
 def restore(study: str, worktree: str) -> list:
@@ -294,7 +316,7 @@ def restore(study: str, worktree: str) -> list:
             print(f"skipped {kept}: {dest} is already there", file=sys.stderr)
             continue
         os.makedirs(dest)
-        for f in KEPT + ((ROLES,) if os.path.isfile(os.path.join(kept, ROLES)) else ()):
+        for f in kept_files(study) + ((ROLES,) if os.path.isfile(os.path.join(kept, ROLES)) else ()):
             src = os.path.join(kept, f)
             with (open(src, "rb") if os.path.isfile(src) else gzip.open(src + ".gz", "rb")) as a, \
                     open(os.path.join(dest, f), "wb") as b:
@@ -379,7 +401,9 @@ def _mechanism(run: dict, s: dict, key: str, role: str):
     """One mechanism number of one run for a role: its adapter's displacement per step, its
     gradient share, its length and parse-failure rate at the end (the last tenth / the last
     evaluation), the damping's mean scale, and under shared the cosine between the role's
-    descent direction and the one adapter's move (`move_cos`: which role the move followed)."""
+    descent direction and the one adapter's move (`move_cos`: which role the move followed); its
+    length in the first tenth of training (`len0`); the run's wall seconds per training step
+    (`step_s`, under its first role)."""
     m = s["mechanisms"]
     if key == "displacement":
         return _adapter_move(run, role)
@@ -395,6 +419,12 @@ def _mechanism(run: dict, s: dict, key: str, role: str):
         return m.get("damp_scale", {}).get(role)
     if key == "paid_apart":
         return _per_step(run, role, "paid_apart")
+    if key == "len0":
+        return (m["len_drift"].get(role) or (None, None))[0]
+    if key == "step_s":   # the run's, shown once: under its first role
+        first = next(iter((run["metrics"] or [{}])[-1].get("roles", {})), None)
+        times = [x["time"]["step"] for x in run["metrics"] if (x.get("time") or {}).get("step") is not None]
+        return sum(times) / len(times) if role == first and times else None
     if key == "own_change":
         return role_change(run.get("roles"), role)
     raise KeyError(key)
@@ -575,9 +605,14 @@ def report_text(study: str) -> str:
     origins = sorted({origin(run["config"], study) for runs in groups.values() for run, _ in runs}, key=str)
     by = f" ({st.model_by} {{}})" if st.model_by else ""
     shipped = shipped_models()
-    code = "; ".join(f"commit {(o[0] or '?')[:7]}{' (dirty)' if o[1] else ''} and toy model {(o[2] or '?')[:12]}"
-                     + by.format(*o[3:]) + (f", shipped as toy_models/{shipped[o[2]]}" if o[2] in shipped else
-                                            ", not shipped") for o in origins)
+    scales = sorted({run["config"].get("scale") or "toy" for runs in groups.values() for run, _ in runs})
+    if scales == ["toy"]:
+        model, where = "toy model", lambda sha: (f", shipped as toy_models/{shipped[sha]}" if sha in shipped
+                                                 else ", not shipped")
+    else:   # a real model: named by its scale; the toy models' manifest does not hold it
+        model, where = f"model ({', '.join(scales)})", lambda sha: ""
+    code = "; ".join(f"commit {(o[0] or '?')[:7]}{' (dirty)' if o[1] else ''} and {model} {(o[2] or '?')[:12]}"
+                     + by.format(*o[3:]) + where(o[2]) for o in origins)
     mine = os.path.join(RESULTS, study) + os.sep
     n = sum(run["folder"].startswith(mine) for r in groups.values() for run, _ in r)
     lent = sum(len(r) for r in groups.values()) - n
@@ -591,6 +626,8 @@ def report_text(study: str) -> str:
              "of training; parse_fail: at the last evaluation; share: of the step's gradient mass"
              + ("; move_cos: cosine between the role's descent direction and the shared adapter's "
                 "move, whose displacement is shown once, under the first role" if "move_cos" in st.mechanisms else "")
+             + ("; len0: tokens in the first tenth of training" if "len0" in st.mechanisms else "")
+             + ("; step_s: wall seconds a training step, under the first role" if "step_s" in st.mechanisms else "")
              + ("; own_change: the run's end minus its untrained model, in points, of the generator's own accuracy "
                 "(one voter) and of the aggregator's selection accuracy (right picks when some voter is right)"
                 if "own_change" in st.mechanisms else "")
@@ -778,17 +815,23 @@ def curve_values(study: str) -> dict:
 
 
 def write_figure(study: str) -> str | None:
-    """docs/figures/study-STUDY.png: figure_values's panels, each seed a dot, mean ± se a bar; for
-    a study with gains (the map), also study-STUDY-curves.png, every run's accuracy curve."""
+    """docs/figures/study-STUDY.png: figure_values's panels, each seed a dot, mean ± se a bar; and
+    for a study with a curve (Study.curve) a second figure: study-STUDY-curves.png, every run's
+    accuracy by workflow ("runs"), or study-STUDY-curve.png, each arm's held-out accuracy and
+    training reward by step, its mean over seeds with their range ("arms")."""
     names, values = figure_values(study)
     if not names:
         return None
     import plots
     os.makedirs(FIGURES, exist_ok=True)
-    if STUDIES[study].gains:
-        plots.plot_curves(STUDIES[study].title + ": every run", curve_values(study),
-                          os.path.join(FIGURES, f"study-{study}-curves.png"))
-    return plots.plot_arms(STUDIES[study].title, names, values, os.path.join(FIGURES, f"study-{study}.png"))
+    st = STUDIES[study]
+    if st.curve == "runs":
+        plots.plot_curves(st.title + ": every run", curve_values(study), os.path.join(FIGURES, f"study-{study}-curves.png"))
+    elif st.curve == "arms":
+        groups = arms(study)
+        plots.plot_overlay(st.title, {a: [(s, run) for run, s in groups[a]] for a in names},
+                           os.path.join(FIGURES, f"study-{study}-curve.png"))
+    return plots.plot_arms(st.title, names, values, os.path.join(FIGURES, f"study-{study}.png"))
 
 
 if __name__ == "__main__":

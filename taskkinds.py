@@ -1,4 +1,5 @@
-"""Task kinds: what a kind of problem is, one `register_task(...)` call each; math and code are two.
+"""Task kinds: what a kind of problem is, one `register_task(...)` call each; math and code (the
+paper's) and arith (sums a small real model can sometimes do, graded on the last number) are three.
 
 A registration gives everything the rest of the code asks of a kind:
 - `reward(text, problem) -> float`: the reward of the whole text of a graded answer, given the
@@ -333,3 +334,35 @@ register_task(
                   "orchestrator": ORCHESTRATOR_CODE, "worker": WORKER_CODE, "synthesizer": SYNTHESIZER_CODE},
     max_new_tokens=2048, rounds=2, data={"toy": "toy_code", "real": "deepcoder"}, marker="tests",
     key=_code_key, workers=_code_workers, default_for=("generator",))
+
+
+# ---------------------------------------------------------------------------------------
+# arith: a kind registered the way a fork registers one (README, "Forking"), for the one real
+# model that installs offline (--scale smollm2-135m): under math's \boxed{} rule it earns
+# nothing, so GRPO would get no signal; graded on the last number it writes, it sometimes
+# passes. Its data (tasks.py, `arith`) is generated offline. The supervisors' instructions are
+# math's (shared phrases); the solution roles take the generator's. Not a toy kind: the toy
+# world holds the math and code kinds' phrases alone (toy.BUILT_IN_KINDS).
+
+GENERATOR_ARITH = "Solve the arithmetic problem. End your reply with the answer as a number."
+
+
+def _arith_reward(text: str, problem: dict) -> float:
+    return rewards.number_reward(text, problem["answer"])
+
+
+def _arith_key(text: str, problem: dict):
+    return rewards.last_number(text), problem.get("answer")
+
+
+def _check_arith(record: dict) -> None:
+    answer = record.get("answer")
+    if not isinstance(answer, str) or not re.fullmatch(r"-?\d+", answer.strip()):
+        raise ValueError(f"'answer' must be an integer written as a string, got {answer!r}")
+
+
+register_task(
+    "arith", _arith_reward, check=_check_arith, default=GENERATOR_ARITH,
+    instructions={"generator": GENERATOR_ARITH, "aggregator": AGGREGATOR_MATH, "evaluator": EVALUATOR_MATH,
+                  "orchestrator": ORCHESTRATOR_MATH},
+    max_new_tokens=48, rounds=3, data={"real": "arith"}, key=_arith_key)

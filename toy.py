@@ -521,12 +521,26 @@ def build(task: str, warm: dict, folder: str, quiet: bool = False) -> None:
     """Warm-start into FOLDER.tmp-PID, then publish it whole: the complete model is moved aside,
     the new one moved in, the old one deleted. Killed at any point, the folder is either a
     complete model or absent (and the next caller rebuilds); leftovers carry other names."""
-    for stale in glob.glob(glob.escape(folder) + ".tmp*") + glob.glob(glob.escape(folder) + ".old*"):
-        shutil.rmtree(stale, ignore_errors=True)   # what a killed build left (we hold the lock)
-    tmp, old = folder + f".tmp{os.getpid()}", folder + f".old{os.getpid()}"
+    tmp = clear_leftovers(folder)
     model, tok = warm_start(task, warm, quiet=quiet)
     save_model(model, tmp)
     tok.save_pretrained(tmp)
+    publish(tmp, folder)
+
+
+def clear_leftovers(folder: str) -> str:
+    """Delete what a killed build of `folder` left (FOLDER.tmp*, FOLDER.old*; the caller holds
+    the folder's exclusive lock) and return this process's folder to build into."""
+    for stale in glob.glob(glob.escape(folder) + ".tmp*") + glob.glob(glob.escape(folder) + ".old*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return folder + f".tmp{os.getpid()}"
+
+
+def publish(tmp: str, folder: str) -> None:
+    """Mark the model written into `tmp` (clear_leftovers's folder) complete and move it to
+    `folder` whole: a complete model there is moved aside first and deleted after. The caller
+    holds `folder`'s exclusive lock."""
+    old = folder + f".old{os.getpid()}"
     open(os.path.join(tmp, COMPLETE), "w").close()
     if os.path.isdir(folder):
         os.replace(folder, old)

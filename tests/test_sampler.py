@@ -265,6 +265,23 @@ def test_kv_budget_helpers_at_the_real_shapes():
     assert engine.kv_budget_line(10 * 2**30, 114_688, 200, 5120) == "KV budget 10.00 GiB holds 17 rows of 200+5120 tokens"
 
 
+def test_the_memory_plan_counts_an_embedded_solution_at_most_one_completion():
+    """An aggregator's prompt embeds three earlier completions, each at most max_new_tokens long:
+    with 48 new tokens (arith on SmolLM2) the plan assumes 3 x 48 + 512 prompt tokens, not the
+    3 x 1,536 that --max-embed-tokens would allow."""
+    import argparse
+
+    import policies
+    policy = policies.Policy(tiny_qwen3(), None, ("generator",), rank=2)
+    args = argparse.Namespace(max_prompt_tokens=None, max_embed_tokens=1536, max_new_tokens=48, token_budget=1024,
+                              kv_budget_gb=None)
+    assert "rows of 656+48 tokens" in engine.memory_plan(policy, 2**30, args)
+    args.max_new_tokens = 5120
+    assert "rows of 5120+5120 tokens" in engine.memory_plan(policy, 2**30, args)
+    args.max_prompt_tokens = 300
+    assert "rows of 300+5120 tokens" in engine.memory_plan(policy, 2**30, args)
+
+
 def test_top_p_exact_tie_keeps_only_the_smallest_prefix():
     # regression (issue 15 item 13): mass 0.5 is reached by token 0 alone, so token 1 must not
     # be drawn; with `cumsum - p > top_p` it was, about a third of the time

@@ -74,7 +74,10 @@ def test_every_character_is_one_distinct_token(tok):
 
 
 def test_every_phrase_and_word_is_one_token(tok):
-    for text in list(toy.phrases()) + toy.WORDS:   # the toy world's own: a fork's phrases are characters
+    """The toy world's phrases (the built-in math and code kinds' and the headers), not every
+    registered kind's: arith, or a fork's kind, is spelled in characters."""
+    assert set(toy.phrases()) < set(wf.phrases())
+    for text in list(toy.phrases()) + toy.WORDS:
         one = _ids(tok, text)
         assert len(one) == 1, repr(text)
         assert tok.decode(one) == text
