@@ -32,8 +32,16 @@ attends every row over the widest one. `generate` keeps what it samples and chan
   is the host, so a read waits for nothing: there it reads every step, and no row runs on.
 - static shapes: a decode step's inputs are buffers written in place, the rows run come in
   buckets (1, 2, 4, 8, multiples of 8) and widths in WIDTH_BUCKET columns, so on CUDA each
-  (rows, groups) shape is captured once as a CUDA graph and replayed; elsewhere, or if a capture
-  fails (said in one line), the same step runs eagerly.
+  (rows, groups) shape is captured once as a CUDA graph and replayed (cudagraphs.py: the model's
+  device current, the first failed capture turning graphs off for the process); a row's own
+  length is data (the mask), and a step keeps an earlier step's groups while they cover its rows
+  (given HEADROOM columns to grow into), so one graph serves a few hundred steps, not one width
+  bucket's worth. Elsewhere, or once a capture has failed (said in one line), the step runs eagerly.
+- attention kernels: on CUDA every SDPA call of a generate call (decode, prefill) and of the
+  update runs with the kernels pinned (policies.attention_kernels): the memory-efficient kernel
+  wherever a mask is passed (every call of generate), flash for a call without one, never
+  cuDNN's, which PyTorch 2.9+ tries first on H100/H200 and which builds a plan for every new
+  shape. On a CPU nothing is pinned.
 
 Invariants, each a test in tests/test_sampler.py (the engine's spec):
 1. the same samples as generate_simple: tokens, mask (stop token included) and finished flags
@@ -43,7 +51,10 @@ Invariants, each a test in tests/test_sampler.py (the engine's spec):
 2. at most `kv_budget` bytes of cache are held (`test_kv_memory_held_never_exceeds_the_budget`);
 3. no host read inside a decode step, the stop check read once every STOP_EVERY["cuda"] steps
    (`test_no_host_sync_inside_a_decode_step_...`), and no K/V copy per query head on any
-   transformers version (`test_no_repeat_kv_in_a_decode_step_...`).
+   transformers version (`test_no_repeat_kv_in_a_decode_step_...`);
+4. on CUDA, graphs replay what eager steps sample, every CUDA call names the model's device and
+   runs with it current, and the schedule of a paper-like voter call captures a graph every few
+   hundred steps (tests/test_cudagraphs.py, with a stand-in for torch.cuda on a CPU).
 
 The KV budget's helpers (bytes per token, rows that fit, the default budget) sit here too,
 with `memory_plan`, the line a run prints to say what its memory holds beside the cache.
@@ -51,7 +62,6 @@ Run `python bench/generate.py` for its speed against model.generate and generate
 """
 import contextlib
 import math
-import sys
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -62,6 +72,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import cudagraphs
+import policies
 import seeds
 from rollout import Generation, cache_kwarg, check_limits, left_pad, new_cache, row_keys, sample_next
 
@@ -91,6 +103,14 @@ ATTN_CALL = {"cpu": 30_000, "cuda": 4_000_000}
 # 256 did alike (1.19-1.21x model.generate against 1.12x for one chunk). CUDA: stated, not
 # measured: a forward's launches (~2-5 ms at 28 layers) against ~2 us a 0.6B prompt token.
 PREFILL_CALL = {"cpu": 64, "cuda": 2048}
+# Columns a step's fresh row groups get beyond their widest row, so that the groups (and the CUDA
+# graph of their shapes) serve the next HEADROOM steps as the rows grow, and a step keeps an
+# earlier step's groups while they cover its rows and cost at most RELAYOUT times fresh ones
+# (_Decoder.layout). CUDA: a capture (~50-100 ms, stated, not measured) against padding's cost,
+# chosen on tests/test_cudagraphs.py's simulation of a paper-like voter call (64 to 768 columns
+# tried). CPU: no graph, so none (every step its own cheapest groups).
+HEADROOM = {"cuda": 256, "cpu": 0}
+RELAYOUT = 1.25
 
 
 # ----------------------------------------------------------------------------- KV budget
@@ -414,9 +434,9 @@ def _row_bucket(n: int, cap: int) -> int:
     return min(1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8, cap)
 
 
-def _groups(st: _Rows, length: int, per_column: int) -> tuple:
+def _groups(st: _Rows, length: int, per_column: int, headroom: int = 0) -> tuple:
     """((start, end, w), ...): the step's n rows cut into row groups, each attending its widest
-    busy row's columns rounded up to WIDTH_BUCKET (at most `length`). Rows sit widest first and
+    busy row's columns plus `headroom`, rounded up to WIDTH_BUCKET (at most `length`). Rows sit widest first and
     are taken in runs of GROUP_ROWS, or more where n would make more than ATTN_GROUPS runs; the
     runs are then joined into the groups that cost least, one attention call (ATTN_CALL, in
     K/V elements) a group plus its rows x its width x `per_column` elements (_cheapest). So
@@ -426,9 +446,14 @@ def _groups(st: _Rows, length: int, per_column: int) -> tuple:
     width = (st.host.pos[:n] + 1) * st.host.busy[:n]      # (n,) host counters: no sync
     run, bucket = max(-(-n // ATTN_GROUPS), GROUP_ROWS[kind]), WIDTH_BUCKET[kind]
     starts = np.arange(0, n, run)
-    widest = np.minimum(length, np.maximum(1, -(-np.maximum.reduceat(width, starts) // bucket)) * bucket)
+    widest = np.minimum(length, np.maximum(1, -(-(np.maximum.reduceat(width, starts) + headroom) // bucket)) * bucket)
     return _cheapest(starts.tolist(), np.minimum(starts + run, n).tolist(), widest.tolist(),
                      ATTN_CALL[kind] / per_column)
+
+
+def _cost(groups: tuple, call: float) -> float:
+    """What a step attending `groups` costs, in row-columns: `call` a group plus rows x width."""
+    return sum(call + (b - a) * w for a, b, w in groups)
 
 
 def _cheapest(starts: list, ends: list, widths: list, call: float) -> tuple:
@@ -682,18 +707,24 @@ def _retire(st: _Rows, ended) -> None:
 class _Decoder:
     """The forward of a decode step over the first n cache rows: every row feeds st.dev.tok at
     its column st.dev.pos (= its position), writes its K/V there, and row group (a, b, w) attends
-    its first w columns; the next-token logits land in st.dev.logits. Its inputs are buffers
-    written in place (tokens, positions, the cache), the mask is built inside from the
-    positions, and nothing in it reads the device, so on CUDA (`graphs`) it is captured as a
-    CUDA graph once per (n, groups) and replayed; a generate call runs one adapter, so a graph
-    belongs to one adapter. If a capture fails, the call decodes eagerly (`eager` becomes True)
-    and the reason is printed once per process."""
+    its first w columns (the mask, built inside from the positions, hides a row's columns past
+    its own); the next-token logits land in st.dev.logits. Its inputs are buffers written in
+    place (tokens, positions, the cache) and nothing in it reads the device, so on CUDA
+    (`graphs`) a step of n rows over `groups` is captured once as a CUDA graph and replayed
+    (cudagraphs.StepGraphs); a generate call runs one adapter, so a graph belongs to one adapter.
+
+    Which groups a step attends is `layout`: where HEADROOM is 0 (a CPU), the cheapest groups of
+    this step's widths (_groups); elsewhere the groups of an earlier step of as many rows are
+    kept while they still cover every busy row and cost at most RELAYOUT times the fresh ones,
+    and fresh groups get HEADROOM columns to grow into: so one graph serves hundreds of steps
+    instead of one width bucket's worth."""
 
     def __init__(self, model, cache, writes: _Writes, st: _Rows, graphs: bool):
         self.model, self.cache, self.writes, self.st = model, cache, writes, st
-        self.eager, self.graphs, self.pool = not graphs, {}, None
+        self.graphs = cudagraphs.StepGraphs(st.dev.out.device) if graphs else None
         self.cache_kw = cache_kwarg(model)
-        self.replays = self.eager_steps = 0
+        self.layouts = {}          # n -> the row groups steps of n rows attend while they cover
+        self.eager_steps = 0
 
     def forward(self, n: int, groups: tuple) -> None:
         d = self.st.dev
@@ -705,54 +736,33 @@ class _Decoder:
         d.logits[:n] = out.logits[:, -1]                             # (n, V) fp32
 
     def __call__(self, n: int, groups: tuple) -> None:
-        if self.eager:
+        if self.graphs is None:
             self.eager_steps += 1
             return self.forward(n, groups)
-        graph = self.graphs.get((n, groups))
-        if graph is None:
-            graph = self._capture(n, groups)                         # its warm-up ran this step
-            if graph is not None:
-                self.graphs[(n, groups)] = graph
-            return
-        graph.replay()
-        self.replays += 1
+        self.graphs.run((n, groups), lambda: self.forward(n, groups))
 
-    def _capture(self, n: int, groups: tuple):
-        """Run the step once on a side stream (lazy set-ups happen outside the capture), then
-        capture it into a graph that shares one memory pool with the call's other graphs; None
-        if the capture fails (the call decodes eagerly from then on)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.forward(n, groups)
-        torch.cuda.current_stream().wait_stream(side)
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.forward(n, groups)
-            self.pool = graph.pool()
-            return graph
-        except Exception as e:  # noqa: BLE001 - any failure: decode eagerly
-            if not GRAPHS["refused"]:
-                GRAPHS["refused"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                print(f"engine: no CUDA graph ({GRAPHS['refused']}); decoding eagerly", file=sys.stderr)
-            self.eager = True
-            torch.cuda.synchronize()
-            return None
+    def layout(self, length: int, per_column: int) -> tuple:
+        """The row groups of this step (see the class): ((start, end, w), ...)."""
+        st = self.st
+        kind = "cuda" if st.dev.out.device.type == "cuda" else "cpu"
+        fresh = _groups(st, length, per_column, HEADROOM[kind])
+        if not HEADROOM[kind]:
+            return fresh
+        held, call = self.layouts.get(st.n), ATTN_CALL[kind] / per_column
+        width = (st.host.pos[:st.n] + 1) * st.host.busy[:st.n]      # (n,) host counters: no sync
+        if held is not None and all(width[a:b].max() <= w for a, b, w in held) \
+                and _cost(held, call) <= RELAYOUT * _cost(fresh, call):
+            return held
+        self.layouts[st.n] = fresh
+        return fresh
 
-
-# What the decode graphs did in this process, for the bench scripts to report: generate calls,
-# graphs captured, steps replayed, steps run eagerly, and the first capture failure ("" if none).
-GRAPHS = {"calls": 0, "captures": 0, "replays": 0, "eager_steps": 0, "refused": ""}
-
-
-def graphs_line() -> str:
-    """One line of GRAPHS: whether decode steps replayed graphs or ran eagerly (and why)."""
-    g = GRAPHS
-    why = f"; graphs refused: {g['refused']}" if g["refused"] else ""
-    return (f"{g['calls']} generate calls, {g['captures']} graph captures "
-            f"({g['captures'] / max(g['calls'], 1):.1f} per call), {g['replays']} steps replayed, "
-            f"{g['eager_steps']} eager{why}")
+    def count(self) -> None:
+        """Add this call's captures, replays and eager steps to cudagraphs.GRAPHS."""
+        if self.graphs is None:
+            cudagraphs.GRAPHS["calls"] += 1
+            cudagraphs.GRAPHS["eager_steps"] += self.eager_steps
+        else:
+            self.graphs.count()
 
 
 @torch.no_grad()  # not inference_mode: its tensors could not be reused by autograd later
@@ -775,11 +785,14 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     cache, writes = _row_cache(model, S, need)
     job = _new_job(prompts, limits, pad_id, share_prefix, row_keys(keys, len(prompts), dev), dev)
     st = _Rows.empty(S, discard=len(prompts), device=dev)
-    decode, check = _Decoder(model, cache, writes, st, cuda_graphs and dev.type == "cuda"), _StopCheck(S, dev)
+    decode = _Decoder(model, cache, writes, st, cuda_graphs and cudagraphs.usable(dev))
+    check = _StopCheck(S, dev)
     stops = torch.tensor(sorted(set(stop_ids)), device=dev)
     per_column = math.prod(_kv_heads_and_dim(model.config))   # K/V elements of one row-column, per layer
     counts = Counter(prefill_rows=0, decode_steps=0)
-    with _row_attention(model):
+    # the model's device current (a graph or stream on another one records nothing), and the
+    # attention kernel pinned (policies.attention_kernels)
+    with cudagraphs.on_device(dev), _row_attention(model), policies.attention_kernels(dev):
         while True:
             _schedule(model, cache, writes, st, job, counts)
             if not st.host.busy.any():
@@ -787,16 +800,14 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
             _sample(st, job, seed, temperature, top_p, stops)
             _retire(st, check(st))
             if st.host.busy.any():
-                decode(st.n, _groups(st, need, per_column))
+                decode(st.n, decode.layout(need, per_column))
                 counts["decode_steps"] += 1
     if stats is not None:
         for k, v in counts.items():
             stats[k] = stats.get(k, 0) + v
         stats["kv_bytes"] = max(stats.get("kv_bytes", 0), cache_bytes(cache))
         stats["rows"] = max(stats.get("rows", 0), S)
-    for k, v in (("calls", 1), ("captures", len(decode.graphs)), ("replays", decode.replays),
-                 ("eager_steps", decode.eager_steps)):
-        GRAPHS[k] += v
+    decode.count()
     out = _output(job)
     if dev.type == "cuda":  # the cache and the graphs' pool go back before the update runs
         del cache, decode, st, writes

@@ -68,6 +68,9 @@ def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_
     if str(device).startswith("cuda"):  # fp32 matmuls (the adapters' update, an fp32 base) in TF32
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        # the run's device current: streams, events and CUDA graphs made without naming a device
+        # go to the current one (cuda:0 unless set), not to where the model is
+        torch.cuda.set_device(torch.device(device))
     check_scale(scale)
     reading = contextlib.nullcontext()
     if scale == "toy":
@@ -118,6 +121,22 @@ def checkpoint_layers(model) -> None:
                 return checkpoint(_f, *args, use_reentrant=False, **kwargs)
             return _f(*args, **kwargs)
         layer.forward, layer._checkpointed = forward, True
+
+
+def attention_kernels(device):
+    """A context that pins the SDPA kernels on CUDA: the memory-efficient one for every call with
+    a mask (decode, prefill, a padded training batch), flash for a call without one (a training
+    batch with no padding, where transformers asks for grouped-query attention), math only where
+    neither accepts the arguments; cuDNN's never. Nothing elsewhere, so CPU results stay as
+    they are. The sampler (engine.generate) and the update (every forward and backward under
+    `Policy.using` and `inference`) run inside it. Why: PyTorch 2.9 and later try cuDNN's kernel
+    first on H100/H200, and it builds a plan for every new shape, while this project's shapes
+    change at every call and micro-batch. The backward runs inside it too: a checkpointed layer
+    recomputes its forward there, and the recompute must pick the kernel the forward picked."""
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -240,14 +259,15 @@ class Policy(nn.Module):
     @contextlib.contextmanager
     def using(self, name):
         """Yield the module to call with adapter `name` active (None: the frozen base)."""
-        if self.isolation == "full":
-            yield self.model if name is None else self.copies[name]
-            return
-        prev, self.lora.active = self.lora.active, name
-        try:
-            yield self.model
-        finally:
-            self.lora.active = prev
+        with attention_kernels(next(self.model.parameters()).device):
+            if self.isolation == "full":
+                yield self.model if name is None else self.copies[name]
+                return
+            prev, self.lora.active = self.lora.active, name
+            try:
+                yield self.model
+            finally:
+                self.lora.active = prev
 
     @contextlib.contextmanager
     def inference(self, name):
@@ -266,7 +286,8 @@ class Policy(nn.Module):
         try:
             for i, m in enumerate(mods):
                 m.weight.data = self.lora.merged_weight(name, i, base[i])
-            yield self.model
+            with attention_kernels(base[0].device):
+                yield self.model
         finally:
             for m, w in zip(mods, base):
                 m.weight.data = w

@@ -35,7 +35,7 @@ if [ "${1:-}" = "--tiny" ]; then
   DEVICE=cpu SCALE=tiny TRAIN_NEW=8 TRAIN_PROBLEMS=4 ROWS=4 WIDTHS="64 128" STEPS=4
   SLOTS=8 PROMPTS=32 NEW=16 SDPA="--config tiny --prompt-len 48 --new 8 --shapes 2 --repeats 3"
 else
-  DEVICE=cuda SCALE=0.6b TRAIN_NEW=${TRAIN_NEW:-512} TRAIN_PROBLEMS=64 ROWS=120 WIDTHS="512 2560 5120" STEPS=16
+  DEVICE=cuda SCALE=0.6b TRAIN_NEW=${TRAIN_NEW:-256} TRAIN_PROBLEMS=64 ROWS=120 WIDTHS="512 2560 5120" STEPS=16
   SLOTS=128 PROMPTS=512 NEW=256 SDPA="--config 0.6b"
 fi
 OUT=${OUT:-.}
@@ -104,7 +104,7 @@ run_sampler() {
 part "sampler: parity with model.generate, then tokens/s"
 limit 30 $PY -u bench/generate.py --check --device "$DEVICE" | tee "$work/parity"
 row "greedy parity with model.generate" "$(tail -1 "$work/parity")"
-limit 60 $PY -u bench/generate.py --device "$DEVICE" --config "$SCALE" --workload realistic --slots "$SLOTS" \
+limit 100 $PY -u bench/generate.py --device "$DEVICE" --config "$SCALE" --workload realistic --slots "$SLOTS" \
     --prompts "$PROMPTS" --new "$NEW" --samplers continuous,model.generate --repeats 1 | tee "$work/sampler"
 row "sampler tok/s: continuous vs model.generate" "$(grep -E '^  (continuous|model.generate) ' "$work/sampler" | \
     awk '{printf "%s %s  ", $1, $2}') $(grep -o 'continuous = .*' "$work/sampler")"

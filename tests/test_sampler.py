@@ -471,11 +471,11 @@ def test_rows_attended_in_width_groups_sample_what_generate_simple_does(build, m
     monkeypatch.setattr(engine, "ATTN_GROUPS", 4)
     seen, sorted_rows, groups = [], [], engine._groups
 
-    def watched(st, length, per_column):
+    def watched(st, length, per_column, headroom=0):
         busy = st.host.busy[:st.n] == 1
         width = (st.host.pos[:st.n] + 1)[busy]                  # the rows in flight, in cache order
         sorted_rows.append(bool((width[:-1] >= width[1:]).all()) and busy.sum() == st.host.busy.sum())
-        seen.append(groups(st, length, per_column))
+        seen.append(groups(st, length, per_column, headroom))
         return seen[-1]
     monkeypatch.setattr(engine, "_groups", watched)
     m = build(seed=0)
@@ -562,6 +562,32 @@ def test_no_host_sync_inside_a_decode_step_and_the_stop_check_read_once_every_4_
     assert steps >= 40 and stats["rows"] == 5
     assert count["step"] == 0                          # sampling, the forward and the counters
     assert count["loop"] <= steps // 4 + 1 + 1         # the stop check's reads, the output's length
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+def test_the_cuda_stop_check_period_samples_what_generate_simple_does(build, monkeypatch):
+    # CUDA's schedule on a CPU: the host learns of a stop id from a copy read every 4 steps, so
+    # a row that stopped runs on (its tokens discarded) for up to 8 steps and its cache row is
+    # refilled later; what each row keeps must not change, greedy or keyed, through refills
+    assert engine.STOP_EVERY["cuda"] == 4
+    m = build(seed=0)
+    keys = [seeds.key("stop-every", i) for i in range(len(MIXED))]
+    for temperature, top_p in ((0, 1.0), (0.7, 0.9)):
+        free = rollout.generate_simple(m, MIXED, 14, [63], PAD, temperature=temperature, top_p=top_p, seed=4, keys=keys)
+        stop = [int(free.tokens[0, 2]), 63]     # row 0 stops at step 2, others when they emit it
+        simple = rollout.generate_simple(m, MIXED, MIXED_LIMITS, stop, PAD, temperature=temperature, top_p=top_p,
+                                         seed=4, keys=keys)
+        assert simple.finished.sum() >= 2 and not simple.finished.all()   # rows that stop by id, and rows cut
+        for rows in (2, 5, None):
+            budget, steps = None if rows is None else budget_for(m, rows, MIXED, MIXED_LIMITS), {}
+            for every in (1, 4):   # the CPU's period, then CUDA's
+                monkeypatch.setitem(engine.STOP_EVERY, "cpu", every)
+                stats = {}
+                fast = engine.generate(m, MIXED, MIXED_LIMITS, stop, PAD, temperature=temperature, top_p=top_p, seed=4,
+                                       keys=keys, kv_budget=budget, stats=stats)
+                assert_same_generation(fast, simple)
+                steps[every] = stats["decode_steps"]
+            assert steps[4] > steps[1] or rows is None    # rows did run on: refills came later
 
 
 def test_no_repeat_kv_in_a_decode_step_on_any_transformers_version(monkeypatch):
