@@ -68,9 +68,7 @@ def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_
     if str(device).startswith("cuda"):  # fp32 matmuls (the adapters' update, an fp32 base) in TF32
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-        # the run's device current: streams, events and CUDA graphs made without naming a device
-        # go to the current one (cuda:0 unless set), not to where the model is
-        torch.cuda.set_device(torch.device(device))
+        use_device(device)
     check_scale(scale)
     reading = contextlib.nullcontext()
     if scale == "toy":
@@ -91,6 +89,15 @@ def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_
         tokenizer.pad_token = tokenizer.eos_token
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
+
+
+def use_device(device) -> None:
+    """Make `cuda:N` the current CUDA device of the process: streams, events and CUDA graphs made
+    without naming a device go to the current one (cuda:0 unless set), not to where the model
+    is. Plain `cuda` is the current device already (and torch.cuda.set_device refuses it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
 
 
 def stop_ids(model, tokenizer) -> list:

@@ -52,7 +52,7 @@ def build_model(config: str, device: str):
     """A random Qwen3 of a published shape, built on the device (fast at the real scales)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if device.startswith("cuda"):   # cuda:N current, as policies.load makes it for train.py and eval.py
+    if device.startswith("cuda") and torch.device(device).index is not None:   # cuda:N current, as policies.use_device
         torch.cuda.set_device(torch.device(device))
     torch.manual_seed(0)
     cfg = Qwen3Config(**CONFIGS[config], tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6)

@@ -153,6 +153,15 @@ def test_on_device_makes_the_cuda_device_current(monkeypatch):
         assert fake.current is None
 
 
+def test_a_run_on_cuda_n_makes_cuda_n_current_and_plain_cuda_is_left_as_it_is(monkeypatch):
+    import policies
+    made = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: made.append(torch.device(d)))
+    for device in ("cuda:1", "cuda", "cpu", torch.device("cuda", 2)):
+        policies.use_device(device)        # policies.load calls it for train.py and eval.py
+    assert made == [torch.device("cuda:1"), torch.device("cuda:2")]
+
+
 def test_replayed_graphs_sample_what_generate_simple_does(fake_cuda, monkeypatch):
     # the stand-in replays each captured step's recorded ops on the same tensors, so a step
     # whose graph depended on anything but its buffers (a host number, a new tensor) would
