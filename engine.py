@@ -83,6 +83,11 @@ KV_FRACTION = 0.85         # share of free CUDA memory (after loading) for the K
                            # (torch.cuda.empty_cache) when it returns, so the update gets it all;
                            # the rest holds what lives beside the cache (AdamW states, logits)
 PREFILL_TOKENS = 32768     # padded prompt tokens per prefill forward (bounds its activations)
+# bytes a decode step's sampling holds at once per row and vocabulary entry (rollout.sample_next):
+# the fp32 logits buffer and their log-softmax (4 + 4), then a float64 copy of the scaled logits
+# and its softmax, or that softmax and its cumulative sum (8 + 8): 6 x the logits' 4 bytes, not
+# 1 x (top-p's sort adds 16 more)
+SAMPLE_BYTES = 24
 REFILL_AT = 1 / 16         # admit newcomers once this share of the rows is free (see _refill)
 # decode steps between the host's reads of which rows stopped: on CUDA a read waits for the
 # device, so it reads a copy made 4 steps before; on a CPU it costs nothing, so every step
@@ -166,7 +171,8 @@ def memory_plan(policy, kv_budget: int, args) -> str:
     rows it holds at the length limits, and the training micro-batch; a user sees at once
     whether the run fits. On CUDA it also gives the numbers behind the default budget: the free
     memory after loading, KV_FRACTION of it for the cache, and what the rest must hold
-    while the cache lives (the AdamW states, made at the first update, and the decode's logits).
+    while the cache lives (the AdamW states, made at the first update, and what sampling holds:
+    SAMPLE_BYTES a row and vocabulary entry).
     The cache lives only inside a generate call, so the update has all the free memory. The
     prompt length is the limit, else the longest prompt expected: an aggregator's three clipped
     solutions plus ~512 tokens of instruction and problem."""
@@ -185,8 +191,9 @@ def memory_plan(policy, kv_budget: int, args) -> str:
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
         share = "--kv-budget-gb" if a.kv_budget_gb else f"{KV_FRACTION:g} of it"
+        sampling = rows * cfg.vocab_size * SAMPLE_BYTES
         why = (f" | free after loading {gib(free)}: KV {share}, beside it AdamW {gib(16 * trainable)} + "
-               f"decode logits {gib(rows * cfg.vocab_size * 4)} = {gib(kv_budget + 16 * trainable + rows * cfg.vocab_size * 4)}")
+               f"sampling {gib(sampling)} = {gib(kv_budget + 16 * trainable + sampling)}")
     return (f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
             f"{gib(16 * trainable)} | {kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens)} "
             f"({per_tok / 1024:.0f} KiB a token){why} | micro-batch {a.token_budget} tokens: logits + grad {gib(logits)}, "

@@ -163,6 +163,7 @@ class LoRA(nn.Module):
         self.targets = lora_targets(model)
         self.active = None  # None (base) or an adapter name
         self._cast = {}     # (name, layer, dtype) -> [versions, A, B]: see weights
+        self.updates = 0    # bumped by every optimizer step and load (`touch`): see weights
         # per adapter name, one parameter list aligned with `targets` (module names contain
         # dots, which parameter-dict keys may not)
         self.A = nn.ModuleDict()
@@ -185,19 +186,27 @@ class LoRA(nn.Module):
 
     def weights(self, name: str, i: int, dtype):
         """(A, B) of adapter `name` at layer i in `dtype` (the base's): the fp32 parameters, or
-        casts that carry the gradient back when grad is on, else copies kept until a parameter
-        changes (its version moves), refreshed in place so a CUDA graph reads the same memory."""
+        casts that carry the gradient back when grad is on, else copies kept until the adapters
+        change, refreshed in place so a CUDA graph reads the same memory. A change is seen by
+        `updates` (bumped by every optimizer step, grpo.make_optimizers, and every load: a fused
+        AdamW writes the parameters without moving their version counters) or by the
+        parameters' versions (an in-place edit outside an optimizer)."""
         A, B = self.A[name][i], self.B[name][i]
         if dtype == A.dtype or torch.is_grad_enabled():
             return A.to(dtype), B.to(dtype)
         held = self._cast.get((name, i, dtype))
         if held is None:
             held = self._cast[name, i, dtype] = [None, A.detach().to(dtype), B.detach().to(dtype)]
-        if held[0] != (A._version, B._version):
-            held[0] = (A._version, B._version)
+        now = (self.updates, A._version, B._version)
+        if held[0] != now:
+            held[0] = now
             held[1].copy_(A)
             held[2].copy_(B)
         return held[1], held[2]
+
+    def touch(self) -> None:
+        """The adapters changed (an optimizer step, a load): the next no-grad forward recasts them."""
+        self.updates += 1
 
     def add_delta(self, name: str, i: int, x, out):
         """out + scale x A^T B^T in the base's dtype: x A^T (N, r), then one addmm that multiplies
@@ -257,6 +266,11 @@ class Policy(nn.Module):
         if role not in self.roles:
             raise KeyError(f"unknown role {role!r}; this workflow has {self.roles}")
         return "shared" if self.sharing == "shared" else role
+
+    def touch(self) -> None:
+        """The trainable weights changed (an optimizer step, a load): see LoRA.weights."""
+        if self.isolation == "lora":
+            self.lora.touch()
 
     def parameters_of(self, name: str) -> list:
         if self.isolation == "full":
@@ -345,6 +359,7 @@ class Policy(nn.Module):
                     key = f"base_model.model.{mod_name}"
                     self.lora.A[name][i].copy_(t[f"{key}.lora_A.weight"])
                     self.lora.B[name][i].copy_(t[f"{key}.lora_B.weight"])
+            self.lora.touch()
 
     def export_merged(self, name: str, folder: str):
         """Write base + adapter `name` as an ordinary Hugging Face model folder."""
