@@ -776,7 +776,7 @@ class _Decoder:
 def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
              temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, keys=None, share_prefix: bool = True,
              kv_budget: int | None = None, max_rows: int | None = None, stats: dict | None = None,
-             cuda_graphs: bool = True) -> Generation:
+             cuda_graphs: bool = True, host: bool = False) -> Generation:
     """Sample a completion for every prompt (a list of token-id lists), as generate_simple does.
     `max_new_tokens`: one limit, or one per prompt. Row i's token t is drawn with
     seeds.uniforms(seed, keys[i], t), so what a row samples does not depend on the cache row it
@@ -784,7 +784,8 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     at once) and `max_rows` rows are held. `cuda_graphs`: replay decode steps from CUDA graphs
     on a CUDA device. `stats`, a dict, gets prefill_rows (prompts run through a prefill) and
     decode_steps added, and kv_bytes (cache tensors held) and rows (rows held at once) raised to
-    this call's."""
+    this call's. `host`: the Generation's tensors on the host, each copied there once (what
+    rollout.make_llm reads row by row, several device reads a row otherwise)."""
     limits = check_limits(prompts, max_new_tokens)
     dev = next(model.parameters()).device
     need = max(len(p) + int(t) for p, t in zip(prompts, limits))  # columns of the longest row
@@ -816,6 +817,8 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
         stats["rows"] = max(stats.get("rows", 0), S)
     decode.count()
     out = _output(job)
+    if host:
+        out = Generation(out.tokens.cpu(), out.logprobs.cpu(), out.mask.cpu(), out.finished.cpu())
     if dev.type == "cuda":  # the cache and the graphs' pool go back before the update runs
         del cache, decode, st, writes
         torch.cuda.empty_cache()

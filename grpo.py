@@ -329,8 +329,6 @@ def make_optimizers(policy, lr: float, warmup_steps: int, total_steps: int,
         opts[name] = torch.optim.AdamW(policy.parameters_of(name), lr=lr_of.get(name, lr), betas=betas,
                                        weight_decay=weight_decay)
         opts[name].param_groups[0]["frozen"] = lr_of.get(name) == 0   # saved with the optimizer's state
-        # every step tells the policy its weights moved (its no-grad bf16 copies refresh on it)
-        opts[name].register_step_post_hook(lambda *_: policy.touch())
         scheds[name] = torch.optim.lr_scheduler.LambdaLR(
             opts[name], lambda s: lr_factor(s, warmup_steps, total_steps))
     return opts, scheds

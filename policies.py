@@ -34,6 +34,7 @@ import os
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 HUB_IDS = {"0.6b": "Qwen/Qwen3-0.6B", "1.7b": "Qwen/Qwen3-1.7B", "4b": "Qwen/Qwen3-4B"}
 
@@ -65,10 +66,8 @@ def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_
 
     if dtype is None:  # bf16 on GPU as in the paper; fp32 on CPU where bf16 matmuls are slow
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    if str(device).startswith("cuda"):  # fp32 matmuls (the adapters' update, an fp32 base) in TF32
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        use_device(device)
+    if str(device).startswith("cuda"):
+        cuda_settings(device)
     check_scale(scale)
     reading = contextlib.nullcontext()
     if scale == "toy":
@@ -91,13 +90,36 @@ def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_
     return model, tokenizer
 
 
-def use_device(device) -> None:
-    """Make `cuda:N` the current CUDA device of the process: streams, events and CUDA graphs made
-    without naming a device go to the current one (cuda:0 unless set), not to where the model
-    is. Plain `cuda` is the current device already (and torch.cuda.set_device refuses it)."""
+def cuda_settings(device) -> None:
+    """What a run on a CUDA device sets for the whole process (train.py and eval.py, through
+    `load`):
+    - `cuda:N` becomes the current device: streams, events and CUDA graphs made without naming a
+      device go to the current one (cuda:0 unless set), not to where the model is. A plain `cuda`
+      is the current device already (and torch.cuda.set_device refuses it);
+    - fp32 matmuls (the adapters' update, an fp32 base) run in TF32;
+    - cuDNN's SDPA kernel is off, so attention runs the memory-efficient kernel wherever a mask
+      is passed (decode, prefill, a padded training batch) and flash where none is: PyTorch 2.9
+      and later try cuDNN's first on H100/H200, and it builds a plan for every new shape, while
+      this project's shapes change at every call and micro-batch. A global switch, not a
+      context, so a checkpointed layer's recompute in the backward picks what its forward
+      picked. engine.generate also pins the kernels for its own calls (attention_kernels), for
+      callers that never loaded through here (the bench scripts)."""
     device = torch.device(device)
-    if device.type == "cuda" and device.index is not None:
+    if device.index is not None:
         torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def attention_kernels(device):
+    """A context pinning the SDPA kernels of a CUDA device as `cuda_settings` does for the whole
+    process: flash, memory-efficient or math, never cuDNN's; nothing elsewhere (CPU results stay
+    as they are)."""
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def stop_ids(model, tokenizer) -> list:
@@ -130,23 +152,14 @@ def checkpoint_layers(model) -> None:
         layer.forward, layer._checkpointed = forward, True
 
 
-def attention_kernels(device):
-    """A context that pins the SDPA kernels on CUDA: the memory-efficient one for every call with
-    a mask (decode, prefill, a padded training batch), flash for a call without one (a training
-    batch with no padding, where transformers asks for grouped-query attention), math only where
-    neither accepts the arguments; cuDNN's never. Nothing elsewhere, so CPU results stay as
-    they are. The sampler (engine.generate) and the update (every forward and backward under
-    `Policy.using` and `inference`) run inside it. Why: PyTorch 2.9 and later try cuDNN's kernel
-    first on H100/H200, and it builds a plan for every new shape, while this project's shapes
-    change at every call and micro-batch. The backward runs inside it too: a checkpointed layer
-    recomputes its forward there, and the recompute must pick the kernel the forward picked."""
-    if torch.device(device).type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
 # ----------------------------------------------------------------------------- LoRA
+
+# Optimizer steps taken in this process, by any optimizer: the bf16 copies of the adapters
+# (LoRA.weights) are refreshed when it moves, since a fused AdamW writes the parameters
+# without moving their version counters.
+STEPS = [0]
+register_optimizer_step_post_hook(lambda *_: STEPS.__setitem__(0, STEPS[0] + 1))
+
 
 def lora_targets(model) -> dict:
     """name -> nn.Linear for every linear layer LoRA adapts (all but the output head)."""
@@ -162,8 +175,7 @@ class LoRA(nn.Module):
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         self.targets = lora_targets(model)
         self.active = None  # None (base) or an adapter name
-        self._cast = {}     # (name, layer, dtype) -> [versions, A, B]: see weights
-        self.updates = 0    # bumped by every optimizer step and load (`touch`): see weights
+        self._cast = {}     # (name, layer, dtype) -> [(steps, versions), A, B]: see weights
         # per adapter name, one parameter list aligned with `targets` (module names contain
         # dots, which parameter-dict keys may not)
         self.A = nn.ModuleDict()
@@ -186,27 +198,19 @@ class LoRA(nn.Module):
 
     def weights(self, name: str, i: int, dtype):
         """(A, B) of adapter `name` at layer i in `dtype` (the base's): the fp32 parameters, or
-        casts that carry the gradient back when grad is on, else copies kept until the adapters
-        change, refreshed in place so a CUDA graph reads the same memory. A change is seen by
-        `updates` (bumped by every optimizer step, grpo.make_optimizers, and every load: a fused
-        AdamW writes the parameters without moving their version counters) or by the
-        parameters' versions (an in-place edit outside an optimizer)."""
+        casts that carry the gradient back when grad is on, else copies kept until an optimizer
+        step (STEPS) or an in-place edit (the versions) changes them, refreshed in place."""
         A, B = self.A[name][i], self.B[name][i]
         if dtype == A.dtype or torch.is_grad_enabled():
             return A.to(dtype), B.to(dtype)
         held = self._cast.get((name, i, dtype))
         if held is None:
             held = self._cast[name, i, dtype] = [None, A.detach().to(dtype), B.detach().to(dtype)]
-        now = (self.updates, A._version, B._version)
-        if held[0] != now:
-            held[0] = now
+        if held[0] != (STEPS[0], A._version, B._version):    # in place: a CUDA graph reads them
+            held[0] = (STEPS[0], A._version, B._version)
             held[1].copy_(A)
             held[2].copy_(B)
         return held[1], held[2]
-
-    def touch(self) -> None:
-        """The adapters changed (an optimizer step, a load): the next no-grad forward recasts them."""
-        self.updates += 1
 
     def add_delta(self, name: str, i: int, x, out):
         """out + scale x A^T B^T in the base's dtype: x A^T (N, r), then one addmm that multiplies
@@ -267,11 +271,6 @@ class Policy(nn.Module):
             raise KeyError(f"unknown role {role!r}; this workflow has {self.roles}")
         return "shared" if self.sharing == "shared" else role
 
-    def touch(self) -> None:
-        """The trainable weights changed (an optimizer step, a load): see LoRA.weights."""
-        if self.isolation == "lora":
-            self.lora.touch()
-
     def parameters_of(self, name: str) -> list:
         if self.isolation == "full":
             return list(self.copies[name].parameters())
@@ -280,15 +279,14 @@ class Policy(nn.Module):
     @contextlib.contextmanager
     def using(self, name):
         """Yield the module to call with adapter `name` active (None: the frozen base)."""
-        with attention_kernels(next(self.model.parameters()).device):
-            if self.isolation == "full":
-                yield self.model if name is None else self.copies[name]
-                return
-            prev, self.lora.active = self.lora.active, name
-            try:
-                yield self.model
-            finally:
-                self.lora.active = prev
+        if self.isolation == "full":
+            yield self.model if name is None else self.copies[name]
+            return
+        prev, self.lora.active = self.lora.active, name
+        try:
+            yield self.model
+        finally:
+            self.lora.active = prev
 
     @contextlib.contextmanager
     def inference(self, name):
@@ -307,8 +305,7 @@ class Policy(nn.Module):
         try:
             for i, m in enumerate(mods):
                 m.weight.data = self.lora.merged_weight(name, i, base[i])
-            with attention_kernels(base[0].device):
-                yield self.model
+            yield self.model
         finally:
             for m, w in zip(mods, base):
                 m.weight.data = w
@@ -359,7 +356,6 @@ class Policy(nn.Module):
                     key = f"base_model.model.{mod_name}"
                     self.lora.A[name][i].copy_(t[f"{key}.lora_A.weight"])
                     self.lora.B[name][i].copy_(t[f"{key}.lora_B.weight"])
-            self.lora.touch()
 
     def export_merged(self, name: str, folder: str):
         """Write base + adapter `name` as an ordinary Hugging Face model folder."""

@@ -257,9 +257,6 @@ def make_llm(policy, *, sampler=None, temperature: float = 0.7, top_p: float = 1
             out = sampler(model, prompts, max_new_tokens, stops, tok.pad_token_id, temperature=temperature,
                           top_p=top_p, seed=seed, keys=[seeds.key(*k) if isinstance(k, tuple) else seeds.key(k)
                                                         for k in keys])
-        # to the host once per call (a no-op on a CPU): _call reads each row's ids, logprobs and
-        # flag, several device reads a row otherwise
-        out = Generation(out.tokens.cpu(), out.logprobs.cpu(), out.mask.cpu(), out.finished.cpu())
         return [_call(role, slots[i], messages_list[i], ids, out, i, tok) for i, ids in enumerate(prompts)]
 
     llm.stats = stats

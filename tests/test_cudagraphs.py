@@ -153,13 +153,20 @@ def test_on_device_makes_the_cuda_device_current(monkeypatch):
         assert fake.current is None
 
 
-def test_a_run_on_cuda_n_makes_cuda_n_current_and_plain_cuda_is_left_as_it_is(monkeypatch):
+def test_a_run_on_cuda_n_makes_cuda_n_current_and_cudnn_attention_off(monkeypatch):
     import policies
     made = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: made.append(torch.device(d)))
-    for device in ("cuda:1", "cuda", "cpu", torch.device("cuda", 2)):
-        policies.use_device(device)        # policies.load calls it for train.py and eval.py
-    assert made == [torch.device("cuda:1"), torch.device("cuda:2")]
+    flags = {name: getattr(torch.backends.cuda, name)() for name in ("cudnn_sdp_enabled",)}
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for device in ("cuda:1", "cuda", torch.device("cuda", 2)):
+            policies.cuda_settings(device)         # policies.load calls it for train.py and eval.py
+        assert made == [torch.device("cuda:1"), torch.device("cuda:2")]   # plain cuda: the current one
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(flags["cudnn_sdp_enabled"])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 def test_replayed_graphs_sample_what_generate_simple_does(fake_cuda, monkeypatch):
@@ -216,34 +223,23 @@ def test_a_held_layout_covers_every_busy_row_and_is_dropped_when_it_costs_too_mu
 
 # ----------------------------------------------------------------------------- the attention kernels
 
-def test_every_sdpa_call_runs_with_the_pinned_kernels_in_the_sampler_and_the_update(monkeypatch):
-    """On CUDA the kernels are pinned around generate and every forward and backward of the
-    update (policies.attention_kernels); here forced on a CPU, where the flags are visible: every
-    SDPA call, a checkpointed layer's recompute in the backward included, sees cuDNN's kernel off."""
-    import grpo
+def test_every_sdpa_call_of_generate_runs_with_the_pinned_kernels(monkeypatch):
+    """On CUDA generate pins the kernels for its calls (policies.attention_kernels), whoever
+    loaded the model; here forced on a CPU, where the flags are visible: every SDPA call of a
+    prefill and of a decode step sees cuDNN's kernel off, and the flags come back after."""
     import policies
     import torch.nn.functional as F
-    from conftest import save_tiny_toy_model
     real_kernels, seen = policies.attention_kernels, []
     monkeypatch.setattr(policies, "attention_kernels", lambda device: real_kernels("cuda"))
     real_sdpa = F.scaled_dot_product_attention
 
-    def recording(*a, **k):
-        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
-                     torch.is_grad_enabled()))
-        return real_sdpa(*a, **k)
+    def recording(q, *a, **k):
+        seen.append((q.shape[2], torch.backends.cuda.cudnn_sdp_enabled()))
+        return real_sdpa(q, *a, **k)
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        model, tok = policies.load(save_tiny_toy_model(d))
-    pol = policies.Policy(model, tok, ("generator",), "shared", rank=4, alpha=8, checkpointing=True)
-    out = engine.generate(model, [[5, 6, 7], [8, 9]], 4, [1], 2, temperature=0.7)
-    samples = [grpo.Sample("generator", "generator", "p", [5, 6, 7, 8], out.tokens[0][out.mask[0]].tolist(),
-                           [0.0] * int(out.mask[0].sum()), True, 1.0, a) for a in (1.0, -1.0)]
-    opts, scheds = grpo.make_optimizers(pol, 1e-3, 1, 10)
-    grpo.update(pol, opts, scheds, samples, grpo.Hyper(kl_coef=0.0))
-    assert any(grad for _, _, grad in seen) and any(not grad for _, _, grad in seen)
-    assert all(not cudnn and efficient for cudnn, efficient, _ in seen)
+    engine.generate(tiny_qwen3(seed=0), [[5, 6, 7], [8, 9]], 4, [1], 2, temperature=0.7)
+    assert {q > 2 for q, _ in seen} == {True, False}                   # prefill calls and decode calls
+    assert not any(cudnn for _, cudnn in seen)
     assert torch.backends.cuda.cudnn_sdp_enabled()                       # restored after
 
 

@@ -187,15 +187,14 @@ def test_lora_in_bf16_is_two_matmuls_on_casts_kept_until_the_adapter_changes():
 
 
 def test_bf16_copies_follow_an_optimizer_step_that_moves_no_version_counter():
-    # a fused AdamW writes the parameters without bumping their version counters; every step of
-    # grpo's optimizers bumps the policy's own count instead, which the copies are keyed on
-    import grpo
+    # a fused AdamW writes the parameters without bumping their version counters; every
+    # optimizer step of the process moves policies.STEPS instead, which the copies are keyed on
     model = tiny_qwen3(seed=0).to(torch.bfloat16)
     pol = policies.Policy(model, None, ("generator",), "shared", rank=4, alpha=8)
     randomise(pol, "shared")
     lin = next(iter(pol.lora.targets.values()))
     x = torch.randn(3, lin.in_features, dtype=torch.bfloat16)
-    opts, _ = grpo.make_optimizers(pol, lr=0.0, warmup_steps=1, total_steps=10)
+    opt = torch.optim.AdamW(pol.parameters_of("shared"), lr=0.0)
     B = pol.lora.B["shared"][0]
 
     def sampled():
@@ -207,7 +206,7 @@ def test_bf16_copies_follow_an_optimizer_step_that_moves_no_version_counter():
     assert B._version == version and torch.equal(sampled(), before)   # without a step, stale copies
     for p in pol.parameters_of("shared"):
         p.grad = torch.zeros_like(p)
-    opts["shared"].step()                              # lr 0: the step itself moves nothing
+    opt.step()                                         # lr 0: the step itself moves nothing
     with pol.using("shared"):
         want = lin(x).detach()                         # with grad: fresh casts of the parameters
     assert torch.equal(sampled(), want) and not torch.equal(want, before)
