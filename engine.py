@@ -37,11 +37,13 @@ attends every row over the widest one. `generate` keeps what it samples and chan
   length is data (the mask), and a step keeps an earlier step's groups while they cover its rows
   (given HEADROOM columns to grow into), so one graph serves a few hundred steps, not one width
   bucket's worth. Elsewhere, or once a capture has failed (said in one line), the step runs eagerly.
-- attention kernels: on CUDA every SDPA call of a generate call (decode, prefill) and of the
-  update runs with the kernels pinned (policies.attention_kernels): the memory-efficient kernel
-  wherever a mask is passed (every call of generate), flash for a call without one, never
-  cuDNN's, which PyTorch 2.9+ tries first on H100/H200 and which builds a plan for every new
-  shape. On a CPU nothing is pinned.
+- attention kernels: on CUDA the SDPA kernels are pinned (policies.attention_kernels here, and
+  policies.cuda_settings for the whole run): the memory-efficient kernel wherever a mask is
+  passed (decode), flash where none is (prefill), never cuDNN's, which PyTorch 2.9+ tries first
+  on H100/H200 and which builds a plan for every new shape. A prefill on CUDA is right-padded
+  and causal with no mask (half the P x P work, no K/V copy per head), each row's logits read at
+  its own last position (_last_logits); on a CPU it is left-padded with a mask, and nothing is
+  pinned.
 
 Invariants, each a test in tests/test_sampler.py (the engine's spec):
 1. the same samples as generate_simple: tokens, mask (stop token included) and finished flags
@@ -115,6 +117,11 @@ PREFILL_CALL = {"cpu": 64, "cuda": 2048}
 # chosen on tests/test_cudagraphs.py's simulation of a paper-like voter call (64 to 768 columns
 # tried). CPU: no graph, so none (every step its own cheapest groups).
 HEADROOM = {"cuda": 256, "cpu": 0}
+# Prefill: on CUDA prompts are right-padded and run the causal kernel with no mask (flash: half
+# of the P x P attention, and no K/V copy per head on transformers 5.17), each row's logits read
+# at its own last position; on a CPU left-padded with an explicit mask, as the reference is
+# (_prefill: the CPU's samples stay as they were).
+PREFILL_CAUSAL = {"cuda": True, "cpu": False}
 RELAYOUT = 1.25
 
 
@@ -214,9 +221,10 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     (transformers' own SDPA path repeats the K/V g times with repeat_kv in 5.17). Query head h
     uses KV head h // g, as repeat_kv pairs them. `row_groups`, ((start, end, w), ...), attends
     rows [start, end) over their first w columns only; `attention_mask` is generate's
-    (n, 1, 1, W) bool mask (True: attended). Longer queries (prefill) go to transformers' SDPA
-    function as they are. Returns ((n, 1, Hq, D), None), the attention functions' contract."""
-    if query.shape[2] != 1:
+    (n, 1, 1, W) bool mask (True: attended). Longer queries, or any without a mask (a prefill),
+    go to transformers' SDPA function as they are. Returns ((n, 1, Hq, D), None), the attention
+    functions' contract."""
+    if query.shape[2] != 1 or attention_mask is None:   # a prefill (a causal one may have a 1-token chunk)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     n, Hq, _, D = query.shape
@@ -562,26 +570,52 @@ def _schedule(model, cache, writes, st: _Rows, job: _Job, counts) -> None:
 
 
 def _prefill(model, cache, writes, distinct: list, dst: list, src: list, pad_id: int):
-    """Run the U `distinct` prompts through the model, left-padded, in the chunks of
-    _prefill_chunks (longest first, each padded to its longest); the K/V of distinct[src[k]]
-    goes into columns [0, len) of cache row dst[k] (its pad positions to the last column, which
-    no live row attends). Return the (U, V) fp32 logits of each prompt's first new token."""
+    """Run the U `distinct` prompts through the model in the chunks of _prefill_chunks (longest
+    first, each padded to its longest); the K/V of distinct[src[k]] goes into columns [0, len)
+    of cache row dst[k] (its pad positions to the last column, which no live row attends).
+    Where PREFILL_CAUSAL (CUDA), a chunk is right-padded and runs the causal kernel with no
+    mask, its logits read at each row's own last position (_last_logits); elsewhere it is
+    left-padded with an explicit (U', 1, P, P) mask. Return the (U, V) fp32 logits of each
+    prompt's first new token."""
     dev, L = writes.columns.device, len(writes.columns)
-    chunks = _prefill_chunks([len(p) for p in distinct], "cuda" if dev.type == "cuda" else "cpu")
+    kind = "cuda" if dev.type == "cuda" else "cpu"
+    chunks = _prefill_chunks([len(p) for p in distinct], kind)
     dst, src = np.asarray(dst), np.asarray(src)
     logits = [None] * len(distinct)
     for chunk in chunks:
-        ids, mask = left_pad([distinct[u] for u in chunk], pad_id, dev)    # (U', P)
-        P, sel, where = ids.shape[1], np.flatnonzero(np.isin(src, chunk)), {u: i for i, u in enumerate(chunk)}
+        rows = [distinct[u] for u in chunk]
+        P, sel, where = max(map(len, rows)), np.flatnonzero(np.isin(src, chunk)), {u: i for i, u in enumerate(chunk)}
         lens = np.array([len(distinct[u]) for u in src[sel]])
-        cols = np.arange(P)[None, :] - (P - lens)[:, None]                 # (N, P): padded position -> column
+        pad = np.zeros_like(lens) if PREFILL_CAUSAL[kind] else P - lens                # (N,) pads before the prompt
+        cols = np.arange(P)[None, :] - pad[:, None]                                 # (N, P): position -> column
         writes.prefill(_to(dst[sel][:, None], dev), _to(np.array([where[u] for u in src[sel]]), dev),
-                       _to(np.where(cols < 0, L - 1, cols), dev))
-        res = model(input_ids=ids, attention_mask=_prefill_mask(mask), position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                    use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+                       _to(np.where((cols < 0) | (cols >= lens[:, None]), L - 1, cols), dev))
+        if PREFILL_CAUSAL[kind]:
+            first = _last_logits(model, cache, rows, pad_id, dev)                   # (U', V)
+        else:
+            ids, mask = left_pad(rows, pad_id, dev)                                 # (U', P)
+            first = model(input_ids=ids, attention_mask=_prefill_mask(mask), position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                          use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache}).logits[:, -1].float()
         for i, u in enumerate(chunk):
-            logits[u] = res.logits[i, -1].float()
+            logits[u] = first[i]
     return torch.stack(logits)
+
+
+def _last_logits(model, cache, prompts: list, pad_id: int, dev):
+    """(U, V) fp32 logits of each prompt's first new token from one right-padded forward with
+    no mask: a prompt's tokens come first, so the causal kernel (flash) attends each of them
+    over its own prompt only (the pads behind are never attended by a real token); the
+    decoder's last hidden state at each row's own last position goes through the output
+    embedding (a causal LM's logits), so no (U, P, V) logits are made."""
+    U, P = len(prompts), max(map(len, prompts))
+    ids = torch.full((U, P), pad_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+    ids, last = ids.to(dev), torch.tensor([len(p) - 1 for p in prompts], device=dev)   # (U, P), (U,)
+    decoder = model.get_decoder()
+    hidden = decoder(input_ids=ids, position_ids=torch.arange(P, device=dev).expand(U, P), use_cache=True,
+                     **{cache_kwarg(decoder): cache}).last_hidden_state                   # (U, P, hidden)
+    return model.get_output_embeddings()(hidden[torch.arange(U, device=dev), last]).float()   # (U, V)
 
 
 def _prefill_chunks(lens: list, kind: str) -> list:

@@ -21,7 +21,8 @@ mean_len=2000). The counts per decode step come from bench/decode.py --section o
   each row attends about its own width (the mean width of a row in flight, E[len^2]/2E[len]
   past its prompt, plus the width groups' rounding);
 - a stage's prefill: its distinct prompts through 2 x params FLOPs a token plus the attention's
-  full P x P square, and (after) one CUDA graph capture every `steps_per_capture` decode steps;
+  P x P square (before: all of it, an explicit mask; after: half, the causal kernel), and (after)
+  one CUDA graph capture every `steps_per_capture` decode steps;
 - the update: every sample's prompt + completion through 8 x params FLOPs a token (the old
   logprobs' forward, the training forward, the checkpointed recompute, the backward to the
   activations) plus causal attention, at the training efficiency of the GPU's bf16 peak.
@@ -61,8 +62,7 @@ CONSTANTS = dict(
     capture_ms=60.0,        # after: one CUDA graph capture with its warm-up step and synchronize, ms (stated)
     steps_per_capture=171,  # after: decode steps per capture (tests/test_cudagraphs.py's paper-like voter call;
                             # 33 without engine.HEADROOM)
-    prefill_eff=0.40,       # share of peak bf16 FLOP/s a prefill reaches; its attention is the full P x P
-                            # square (an explicit mask: no causal kernel skips the upper half)
+    prefill_eff=0.40,       # share of peak bf16 FLOP/s a prefill reaches
 )
 
 
@@ -106,13 +106,16 @@ def stage(s, gpu, c, rows, prompt, mean, m2, longest, after, distinct):
     tail = longest
     decode = full * step(S) + tail * step(max(1, S // 4))
     captures = (full + tail) / c["steps_per_capture"] * c["capture_ms"] * 1e-3 if after else 0.0
-    return decode + captures + prefill_s(s, gpu, c, distinct, prompt), S, step(S)
+    return decode + captures + prefill_s(s, gpu, c, distinct, prompt, after), S, step(S)
 
 
-def prefill_s(s, gpu, c, prompts, length):
+def prefill_s(s, gpu, c, prompts, length, after):
     """Seconds of prefilling `prompts` distinct prompts of `length` tokens: 2 x params FLOPs a
-    token plus the attention's full P x P square (QK^T and PV, every head and layer)."""
-    flops = prompts * (2 * s["params"] * 1e9 * length + 4 * length * length * s["heads"] * s["head_dim"] * s["layers"])
+    token plus the attention (QK^T and PV, every head and layer): the full P x P square before
+    (an explicit mask), half of it after (the causal kernel on right-padded prompts)."""
+    square = 0.5 if after else 1.0
+    flops = prompts * (2 * s["params"] * 1e9 * length
+                       + square * 4 * length * length * s["heads"] * s["head_dim"] * s["layers"])
     return flops / (gpu["tflops"] * 1e12 * c["prefill_eff"])
 
 

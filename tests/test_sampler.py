@@ -534,6 +534,28 @@ def test_prompts_prefilled_in_several_chunks_sample_what_generate_simple_does(mo
                            simple)
 
 
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+def test_right_padded_causal_prefill_samples_what_generate_simple_does(build, monkeypatch):
+    # CUDA's prefill on a CPU: right-padded chunks through the causal kernel with no mask, each
+    # row's first logits read at its own last position; prompts of several lengths in one chunk
+    # (padded), or a chunk a length, with prefix sharing and refills in a small budget
+    monkeypatch.setitem(engine.PREFILL_CAUSAL, "cpu", True)
+    seen, real = [], engine._last_logits
+    monkeypatch.setattr(engine, "_last_logits", lambda *a: seen.append({len(p) for p in a[2]}) or real(*a))
+    m = build(seed=0)
+    prompts, limits = MIXED + MIXED[:4], MIXED_LIMITS + MIXED_LIMITS[:4]   # some prompts twice
+    keys = [seeds.key("causal", i) for i in range(len(prompts))]
+    for temperature, top_p in ((0, 1.0), (0.7, 0.9)):
+        simple = rollout.generate_simple(m, prompts, limits, STOP, PAD, temperature=temperature, top_p=top_p,
+                                         seed=2, keys=keys)
+        for rows, call in ((3, 0), (None, 0), (None, 64)):
+            monkeypatch.setitem(engine.PREFILL_CALL, "cpu", call)   # 0: a forward costs nothing, a chunk a length
+            fast = engine.generate(m, prompts, limits, STOP, PAD, temperature=temperature, top_p=top_p, seed=2, keys=keys,
+                                   kv_budget=None if rows is None else budget_for(m, rows, prompts, limits))
+            assert_same_generation(fast, simple)
+    assert len(seen) >= 6 and max(map(len, seen)) >= 3     # several chunks, one of several lengths
+
+
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 
 
