@@ -39,11 +39,10 @@ def graphs_line() -> str:
     """One line of GRAPHS: whether decode steps replayed graphs or ran eagerly (and why)."""
     g = GRAPHS
     why = f"; graphs refused: {g['refused']}" if g["refused"] else ""
-    steps = g["replays"] + g["captures"]
-    return (f"{g['calls']} generate calls, {g['captures']} graph captures "
-            f"({g['captures'] / max(g['calls'], 1):.1f} per call, {steps / max(g['captures'], 1):.0f} "
-            f"steps per capture, {g['capture_s']:.1f} s capturing), {g['replays']} steps replayed, "
-            f"{g['eager_steps']} eager{why}")
+    each = (f", {(g['replays'] + g['captures']) / g['captures']:.0f} steps per capture, "
+            f"{g['capture_s']:.1f} s capturing" if g["captures"] else "")
+    return (f"{g['calls']} generate calls, {g['captures']} graph captures ({g['captures'] / max(g['calls'], 1):.1f} "
+            f"per call{each}), {g['replays']} steps replayed, {g['eager_steps']} eager{why}")
 
 
 def usable(device) -> bool:
