@@ -35,7 +35,7 @@ attends every row over the widest one. `generate` keeps what it samples and chan
   (rows, groups) shape is captured once as a CUDA graph and replayed (cudagraphs.py: the model's
   device current, the first failed capture turning graphs off for the process); a row's own
   length is data (the mask), and a step keeps an earlier step's groups while they cover its rows
-  (given HEADROOM columns to grow into), so one graph serves a few hundred steps, not one width
+  (given HEADROOM columns to grow into), so one graph serves about 130 steps, not one width
   bucket's worth. Elsewhere, or once a capture has failed (said in one line), the step runs eagerly.
 - attention kernels: on CUDA the SDPA kernels are pinned (policies.attention_kernels here, and
   policies.cuda_settings for the whole run): the memory-efficient kernel wherever a mask is
@@ -55,8 +55,8 @@ Invariants, each a test in tests/test_sampler.py (the engine's spec):
    (`test_no_host_sync_inside_a_decode_step_...`), and no K/V copy per query head on any
    transformers version (`test_no_repeat_kv_in_a_decode_step_...`);
 4. on CUDA, graphs replay what eager steps sample, every CUDA call names the model's device and
-   runs with it current, and the schedule of a paper-like voter call captures a graph every few
-   hundred steps (tests/test_cudagraphs.py, with a stand-in for torch.cuda on a CPU).
+   runs with it current, and the schedule of a paper-like voter call captures a graph every
+   hundred steps or more (tests/test_cudagraphs.py, with a stand-in for torch.cuda on a CPU).
 
 The KV budget's helpers (bytes per token, rows that fit, the default budget) sit here too,
 with `memory_plan`, the line a run prints to say what its memory holds beside the cache.
@@ -113,10 +113,13 @@ PREFILL_CALL = {"cpu": 64, "cuda": 2048}
 # Columns a step's fresh row groups get beyond their widest row, so that the groups (and the CUDA
 # graph of their shapes) serve the next HEADROOM steps as the rows grow, and a step keeps an
 # earlier step's groups while they cover its rows and cost at most RELAYOUT times fresh ones
-# (_Decoder.layout). CUDA: a capture (~50-100 ms, stated, not measured) against padding's cost,
-# chosen on tests/test_cudagraphs.py's simulation of a paper-like voter call (64 to 768 columns
-# tried). CPU: no graph, so none (every step its own cheapest groups).
-HEADROOM = {"cuda": 256, "cpu": 0}
+# (_Decoder.layout). CUDA: what a capture costs (stated, not measured: ~50-200 ms with its
+# warm-up step and synchronize; cudagraphs.GRAPHS times them) against what the padding costs
+# each step. On tests/test_cudagraphs.py's paper-like voter call, 0 / 64 / 128 / 256 columns
+# capture every 33 / 90 / 129 / 171 steps and attend 1.28 / 1.31 / 1.35 / 1.43 x the rows' own
+# widths: 128 saves the most decode time for captures of 40 ms or more at the 0.6B shape.
+# CPU: no graph, so none (every step its own cheapest groups).
+HEADROOM = {"cuda": 128, "cpu": 0}
 # Prefill: on CUDA prompts are right-padded and run the causal kernel with no mask (flash: half
 # of the P x P attention, and no K/V copy per head on transformers 5.17), each row's logits read
 # at its own last position; on a CPU left-padded with an explicit mask, as the reference is
@@ -757,8 +760,8 @@ class _Decoder:
     Which groups a step attends is `layout`: where HEADROOM is 0 (a CPU), the cheapest groups of
     this step's widths (_groups); elsewhere the groups of an earlier step of as many rows are
     kept while they still cover every busy row and cost at most RELAYOUT times the fresh ones,
-    and fresh groups get HEADROOM columns to grow into: so one graph serves hundreds of steps
-    instead of one width bucket's worth."""
+    and fresh groups get HEADROOM columns to grow into: so one graph serves a hundred steps or
+    more instead of one width bucket's worth."""
 
     def __init__(self, model, cache, writes: _Writes, st: _Rows, graphs: bool):
         self.model, self.cache, self.writes, self.st = model, cache, writes, st

@@ -60,7 +60,7 @@ CONSTANTS = dict(
                             # widths rounded to 128 (simulated for the lengths above)
     problems=64, rollouts=8,
     capture_ms=60.0,        # after: one CUDA graph capture with its warm-up step and synchronize, ms (stated)
-    steps_per_capture=171,  # after: decode steps per capture (tests/test_cudagraphs.py's paper-like voter call;
+    steps_per_capture=129,  # after: decode steps per capture (tests/test_cudagraphs.py's paper-like voter call;
                             # 33 without engine.HEADROOM)
     prefill_eff=0.40,       # share of peak bf16 FLOP/s a prefill reaches
 )
