@@ -120,12 +120,12 @@ PREFILL_CALL = {"cpu": 64, "cuda": 2048}
 # widths: 128 saves the most decode time for captures of 40 ms or more at the 0.6B shape.
 # CPU: no graph, so none (every step its own cheapest groups).
 HEADROOM = {"cuda": 128, "cpu": 0}
+RELAYOUT = 1.25
 # Prefill: on CUDA prompts are right-padded and run the causal kernel with no mask (flash: half
 # of the P x P attention, and no K/V copy per head on transformers 5.17), each row's logits read
 # at its own last position; on a CPU left-padded with an explicit mask, as the reference is
 # (_prefill: the CPU's samples stay as they were).
 PREFILL_CAUSAL = {"cuda": True, "cpu": False}
-RELAYOUT = 1.25
 
 
 # ----------------------------------------------------------------------------- KV budget
@@ -454,17 +454,18 @@ def _row_bucket(n: int, cap: int) -> int:
 
 def _groups(st: _Rows, length: int, per_column: int, headroom: int = 0) -> tuple:
     """((start, end, w), ...): the step's n rows cut into row groups, each attending its widest
-    busy row's columns plus `headroom`, rounded up to WIDTH_BUCKET (at most `length`). Rows sit widest first and
-    are taken in runs of GROUP_ROWS, or more where n would make more than ATTN_GROUPS runs; the
-    runs are then joined into the groups that cost least, one attention call (ATTN_CALL, in
-    K/V elements) a group plus its rows x its width x `per_column` elements (_cheapest). So
-    rows of about one width share a call, and a step costs about its rows' own widths plus a
-    call per group."""
+    busy row's columns plus `headroom`, rounded up to WIDTH_BUCKET (at most `length`). Rows sit
+    widest first and are taken in runs of GROUP_ROWS, or more where n would make more than
+    ATTN_GROUPS runs; the runs are then joined into the groups that cost least, one attention
+    call (ATTN_CALL, in K/V elements) a group plus its rows x its width x `per_column` elements
+    (_cheapest). So rows of about one width share a call, and a step costs about its rows' own
+    widths plus a call per group."""
     n, kind = st.n, "cuda" if st.dev.out.device.type == "cuda" else "cpu"
     width = (st.host.pos[:n] + 1) * st.host.busy[:n]      # (n,) host counters: no sync
     run, bucket = max(-(-n // ATTN_GROUPS), GROUP_ROWS[kind]), WIDTH_BUCKET[kind]
     starts = np.arange(0, n, run)
-    widest = np.minimum(length, np.maximum(1, -(-(np.maximum.reduceat(width, starts) + headroom) // bucket)) * bucket)
+    need = np.maximum.reduceat(width, starts) + headroom                    # (runs,) columns each run needs
+    widest = np.minimum(length, np.maximum(1, -(-need // bucket)) * bucket)
     return _cheapest(starts.tolist(), np.minimum(starts + run, n).tolist(), widest.tolist(),
                      ATTN_CALL[kind] / per_column)
 
@@ -597,8 +598,9 @@ def _prefill(model, cache, writes, distinct: list, dst: list, src: list, pad_id:
             first = _last_logits(model, cache, rows, pad_id, dev)                   # (U', V)
         else:
             ids, mask = left_pad(rows, pad_id, dev)                                 # (U', P)
-            first = model(input_ids=ids, attention_mask=_prefill_mask(mask), position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                          use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache}).logits[:, -1].float()
+            first = model(input_ids=ids, attention_mask=_prefill_mask(mask), use_cache=True, logits_to_keep=1,
+                          position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                          **{cache_kwarg(model): cache}).logits[:, -1].float()          # (U', V)
         for i, u in enumerate(chunk):
             logits[u] = first[i]
     return torch.stack(logits)

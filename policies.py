@@ -13,7 +13,8 @@ Choices, each a flag of train.py:
   stays a plain Hugging Face model (save_pretrained, generate and KL-to-base keep working).
   The delta is computed in the base's dtype, x A^T then one addmm (B^T, scale, add); the
   adapters' parameters stay fp32. A bf16 base (the default on CUDA) adds the small delta in
-  bf16. On CUDA, fp32 matmuls may use TF32 (set in `load`).
+  bf16. On CUDA, fp32 matmuls may use TF32 and cuDNN's attention is off (`cuda_settings`, from
+  `load`).
 - `--sharing shared`: one adapter "shared" for every role. `--sharing isolated`: one adapter per
   role type (the 3 voters share "generator", all workers share "worker").
 - `--isolation full`: instead of adapters, a full trainable copy of the model per adapter name
@@ -98,9 +99,10 @@ def cuda_settings(device) -> None:
       is the current device already (and torch.cuda.set_device refuses it);
     - fp32 matmuls (the adapters' update, an fp32 base) run in TF32;
     - cuDNN's SDPA kernel is off, so attention runs the memory-efficient kernel wherever a mask
-      is passed (decode, prefill, a padded training batch) and flash where none is: PyTorch 2.9
-      and later try cuDNN's first on H100/H200, and it builds a plan for every new shape, while
-      this project's shapes change at every call and micro-batch. A global switch, not a
+      is passed (decode, a padded training batch) and flash where none is (prefill, a batch
+      without padding): PyTorch 2.9 and later try cuDNN's first on H100/H200, and it builds a
+      plan for every new shape, while this project's shapes change at every call and
+      micro-batch (bench/sdpa.py times each kernel on new shapes). A global switch, not a
       context, so a checkpointed layer's recompute in the backward picks what its forward
       picked. engine.generate also pins the kernels for its own calls (attention_kernels), for
       callers that never loaded through here (the bench scripts)."""

@@ -62,7 +62,7 @@ row "environment" "$(cat "$work/env")"
 run_train() {
 part "train: one training step at the $SCALE shape, Voting, $TRAIN_PROBLEMS problems x 8, $TRAIN_NEW new tokens"
 limit 40 $PY bench/random_model.py --config "$SCALE" --device "$DEVICE" --out "$work/model" || row "training step" "no model (rc $?)"
-limit 190 $PY -u bench/train_step.py --scale "$work/model" --data toy_math --workflow voting --steps 1 \
+limit 180 $PY -u bench/train_step.py --scale "$work/model" --data toy_math --workflow voting --steps 1 \
     --problems-per-step "$TRAIN_PROBLEMS" --eval-every 0 --eval-problems 8 --max-new-tokens "$TRAIN_NEW" \
     --kl-coef 0.001 --save-every 0 --samples-every 0 --device "$DEVICE" --quiet --out "$work/run" \
     2>&1 | tee "$work/train.log" | grep -E "^(memory|update|rollout|engine):|Error|error" ; echo "(rc ${PIPESTATUS[0]})"
@@ -84,7 +84,7 @@ PY
 
 run_decode() {
 part "decode: the decode step in the paper's regime: $SCALE shape, LoRA r64, $ROWS rows, W = $WIDTHS"
-limit 90 $PY -u bench/decode.py --section paper --device "$DEVICE" --config "$SCALE" --rows "$ROWS" \
+limit 60 $PY -u bench/decode.py --section paper --device "$DEVICE" --config "$SCALE" --rows "$ROWS" \
     --widths $WIDTHS --steps "$STEPS" --json "$work/paper.json" || echo "(stopped: rc $?)"
 $PY - "$work/paper.json" >> "$summary" <<'PY'
 import json, sys

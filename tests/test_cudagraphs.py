@@ -139,7 +139,8 @@ def test_every_cuda_call_names_the_models_device_and_runs_with_it_current(fake_c
     fake = fake_cuda()
     m = tiny_qwen3(seed=0)
     dev = next(m.parameters()).device
-    engine.generate(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, seed=3, kv_budget=budget_for(m, 5, MIXED, MIXED_LIMITS))
+    engine.generate(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, seed=3,
+                    kv_budget=budget_for(m, 5, MIXED, MIXED_LIMITS))
     assert fake.captures >= 2 and fake.replays > fake.captures
     assert fake.calls and all(cur == dev and (named is None or named == dev) for _, named, cur in fake.calls)
 
