@@ -661,3 +661,18 @@ def test_make_llm_fast_and_simple_samplers_give_the_same_calls(tmp_path):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
     with pytest.raises(ValueError, match="sampler"):
         rollout.make_llm(pol, sampler="vllm")
+
+
+def test_host_outputs_are_the_calls_four_tensors_copied_once(monkeypatch):
+    # make_llm reads every row's ids, logprobs and flag: on CUDA each read waits for the device,
+    # so train.py's and eval.py's fast sampler (host=True) hands it the call's four tensors
+    # copied to the host once, after the loop
+    m = tiny_qwen3(seed=0)
+    ref = engine.generate(m, PROMPTS, 5, STOP, PAD, temperature=0.7)
+    moved, real_cpu = [], torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: moved.append(tuple(self.shape)) or real_cpu(self, *a, **k))
+    gen = engine.generate(m, PROMPTS, 5, STOP, PAD, temperature=0.7, host=True)
+    monkeypatch.undo()
+    assert_same_generation(gen, ref)
+    assert all(t.device.type == "cpu" for t in (gen.tokens, gen.logprobs, gen.mask, gen.finished))
+    assert moved[-4:] == [tuple(gen.tokens.shape)] * 3 + [(len(PROMPTS),)]     # the last copies: one per tensor
