@@ -611,7 +611,8 @@ def _last_logits(model, cache, prompts: list, pad_id: int, dev):
     no mask: a prompt's tokens come first, so the causal kernel (flash) attends each of them
     over its own prompt only (the pads behind are never attended by a real token); the
     decoder's last hidden state at each row's own last position goes through the output
-    embedding (a causal LM's logits), so no (U, P, V) logits are made."""
+    embedding, so no (U, P, V) logits are made. That is a causal LM's forward for Qwen3 and
+    Llama; a model that scales or caps its logits after the head would need it here too."""
     U, P = len(prompts), max(map(len, prompts))
     ids = torch.full((U, P), pad_id, dtype=torch.long)
     for i, p in enumerate(prompts):
