@@ -32,8 +32,18 @@ attends every row over the widest one. `generate` keeps what it samples and chan
   is the host, so a read waits for nothing: there it reads every step, and no row runs on.
 - static shapes: a decode step's inputs are buffers written in place, the rows run come in
   buckets (1, 2, 4, 8, multiples of 8) and widths in WIDTH_BUCKET columns, so on CUDA each
-  (rows, groups) shape is captured once as a CUDA graph and replayed; elsewhere, or if a capture
-  fails (said in one line), the same step runs eagerly.
+  (rows, groups) shape is captured once as a CUDA graph and replayed (cudagraphs.py: the model's
+  device current, the first failed capture turning graphs off for the process); a row's own
+  length is data (the mask), and a step keeps an earlier step's groups while they cover its rows
+  (given HEADROOM columns to grow into), so one graph serves about 130 steps, not one width
+  bucket's worth. Elsewhere, or once a capture has failed (said in one line), the step runs eagerly.
+- attention kernels: on CUDA the SDPA kernels are pinned (policies.attention_kernels here, and
+  policies.cuda_settings for the whole run): the memory-efficient kernel wherever a mask is
+  passed (decode), flash where none is (prefill), never cuDNN's, which PyTorch 2.9+ tries first
+  on H100/H200 and which builds a plan for every new shape. A prefill on CUDA is right-padded
+  and causal with no mask (half the P x P work, no K/V copy per head), each row's logits read at
+  its own last position (_last_logits); on a CPU it is left-padded with a mask, and nothing is
+  pinned.
 
 Invariants, each a test in tests/test_sampler.py (the engine's spec):
 1. the same samples as generate_simple: tokens, mask (stop token included) and finished flags
@@ -43,7 +53,10 @@ Invariants, each a test in tests/test_sampler.py (the engine's spec):
 2. at most `kv_budget` bytes of cache are held (`test_kv_memory_held_never_exceeds_the_budget`);
 3. no host read inside a decode step, the stop check read once every STOP_EVERY["cuda"] steps
    (`test_no_host_sync_inside_a_decode_step_...`), and no K/V copy per query head on any
-   transformers version (`test_no_repeat_kv_in_a_decode_step_...`).
+   transformers version (`test_no_repeat_kv_in_a_decode_step_...`);
+4. on CUDA, graphs replay what eager steps sample, every CUDA call names the model's device and
+   runs with it current, and the schedule of a paper-like voter call captures a graph every
+   hundred steps or more (tests/test_cudagraphs.py, with a stand-in for torch.cuda on a CPU).
 
 The KV budget's helpers (bytes per token, rows that fit, the default budget) sit here too,
 with `memory_plan`, the line a run prints to say what its memory holds beside the cache.
@@ -51,7 +64,6 @@ Run `python bench/generate.py` for its speed against model.generate and generate
 """
 import contextlib
 import math
-import sys
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -62,6 +74,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import cudagraphs
+import policies
 import seeds
 from rollout import Generation, cache_kwarg, check_limits, left_pad, new_cache, row_keys, sample_next
 
@@ -71,6 +85,11 @@ KV_FRACTION = 0.85         # share of free CUDA memory (after loading) for the K
                            # (torch.cuda.empty_cache) when it returns, so the update gets it all;
                            # the rest holds what lives beside the cache (AdamW states, logits)
 PREFILL_TOKENS = 32768     # padded prompt tokens per prefill forward (bounds its activations)
+# bytes a decode step's sampling holds at once per row and vocabulary entry (rollout.sample_next):
+# the fp32 logits buffer and their log-softmax (4 + 4), then a float64 copy of the scaled logits
+# and its softmax, or that softmax and its cumulative sum (8 + 8): 6 x the logits' 4 bytes, not
+# 1 x (top-p's sort adds 16 more)
+SAMPLE_BYTES = 24
 REFILL_AT = 1 / 16         # admit newcomers once this share of the rows is free (see _refill)
 # decode steps between the host's reads of which rows stopped: on CUDA a read waits for the
 # device, so it reads a copy made 4 steps before; on a CPU it costs nothing, so every step
@@ -92,6 +111,22 @@ ATTN_CALL = {"cpu": 30_000, "cuda": 4_000_000}
 # 256 did alike (1.19-1.21x model.generate against 1.12x for one chunk). CUDA: stated, not
 # measured: a forward's launches (~2-5 ms at 28 layers) against ~2 us a 0.6B prompt token.
 PREFILL_CALL = {"cpu": 64, "cuda": 2048}
+# Columns a step's fresh row groups get beyond their widest row, so that the groups (and the CUDA
+# graph of their shapes) serve the next HEADROOM steps as the rows grow, and a step keeps an
+# earlier step's groups while they cover its rows and cost at most RELAYOUT times fresh ones
+# (_Decoder.layout). CUDA: what a capture costs (stated, not measured: ~50-200 ms with its
+# warm-up step and synchronize; cudagraphs.GRAPHS times them) against what the padding costs
+# each step. On tests/test_cudagraphs.py's paper-like voter call, 0 / 64 / 128 / 256 columns
+# capture every 33 / 90 / 129 / 171 steps and attend 1.28 / 1.31 / 1.35 / 1.43 x the rows' own
+# widths: 128 saves the most decode time for captures of 40 ms or more at the 0.6B shape.
+# CPU: no graph, so none (every step its own cheapest groups).
+HEADROOM = {"cuda": 128, "cpu": 0}
+RELAYOUT = 1.25
+# Prefill: on CUDA prompts are right-padded and run the causal kernel with no mask (flash: half
+# of the P x P attention, and no K/V copy per head on transformers 5.17), each row's logits read
+# at its own last position; on a CPU left-padded with an explicit mask, as the reference is
+# (_prefill: the CPU's samples stay as they were).
+PREFILL_CAUSAL = {"cuda": True, "cpu": False}
 
 
 # ----------------------------------------------------------------------------- KV budget
@@ -147,7 +182,8 @@ def memory_plan(policy, kv_budget: int, args) -> str:
     rows it holds at the length limits, and the training micro-batch; a user sees at once
     whether the run fits. On CUDA it also gives the numbers behind the default budget: the free
     memory after loading, KV_FRACTION of it for the cache, and what the rest must hold
-    while the cache lives (the AdamW states, made at the first update, and the decode's logits).
+    while the cache lives (the AdamW states, made at the first update, and what sampling holds:
+    SAMPLE_BYTES a row and vocabulary entry).
     The cache lives only inside a generate call, so the update has all the free memory. The
     prompt length is the limit, else the longest prompt expected: an aggregator's three clipped
     solutions plus ~512 tokens of instruction and problem (a solution is a completion, so it is
@@ -167,8 +203,9 @@ def memory_plan(policy, kv_budget: int, args) -> str:
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
         share = "--kv-budget-gb" if a.kv_budget_gb else f"{KV_FRACTION:g} of it"
+        sampling = rows * cfg.vocab_size * SAMPLE_BYTES
         why = (f" | free after loading {gib(free)}: KV {share}, beside it AdamW {gib(16 * trainable)} + "
-               f"decode logits {gib(rows * cfg.vocab_size * 4)} = {gib(kv_budget + 16 * trainable + rows * cfg.vocab_size * 4)}")
+               f"sampling {gib(sampling)} = {gib(kv_budget + 16 * trainable + sampling)}")
     return (f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
             f"{gib(16 * trainable)} | {kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens)} "
             f"({per_tok / 1024:.0f} KiB a token){why} | micro-batch {a.token_budget} tokens: logits + grad {gib(logits)}, "
@@ -189,9 +226,10 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     (transformers' own SDPA path repeats the K/V g times with repeat_kv in 5.17). Query head h
     uses KV head h // g, as repeat_kv pairs them. `row_groups`, ((start, end, w), ...), attends
     rows [start, end) over their first w columns only; `attention_mask` is generate's
-    (n, 1, 1, W) bool mask (True: attended). Longer queries (prefill) go to transformers' SDPA
-    function as they are. Returns ((n, 1, Hq, D), None), the attention functions' contract."""
-    if query.shape[2] != 1:
+    (n, 1, 1, W) bool mask (True: attended). Longer queries, or any without a mask (a prefill),
+    go to transformers' SDPA function as they are. Returns ((n, 1, Hq, D), None), the attention
+    functions' contract."""
+    if query.shape[2] != 1 or attention_mask is None:   # a prefill (a causal one may have a 1-token chunk)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     n, Hq, _, D = query.shape
@@ -416,21 +454,27 @@ def _row_bucket(n: int, cap: int) -> int:
     return min(1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8, cap)
 
 
-def _groups(st: _Rows, length: int, per_column: int) -> tuple:
+def _groups(st: _Rows, length: int, per_column: int, headroom: int = 0) -> tuple:
     """((start, end, w), ...): the step's n rows cut into row groups, each attending its widest
-    busy row's columns rounded up to WIDTH_BUCKET (at most `length`). Rows sit widest first and
-    are taken in runs of GROUP_ROWS, or more where n would make more than ATTN_GROUPS runs; the
-    runs are then joined into the groups that cost least, one attention call (ATTN_CALL, in
-    K/V elements) a group plus its rows x its width x `per_column` elements (_cheapest). So
-    rows of about one width share a call, and a step costs about its rows' own widths plus a
-    call per group."""
+    busy row's columns plus `headroom`, rounded up to WIDTH_BUCKET (at most `length`). Rows sit
+    widest first and are taken in runs of GROUP_ROWS, or more where n would make more than
+    ATTN_GROUPS runs; the runs are then joined into the groups that cost least, one attention
+    call (ATTN_CALL, in K/V elements) a group plus its rows x its width x `per_column` elements
+    (_cheapest). So rows of about one width share a call, and a step costs about its rows' own
+    widths plus a call per group."""
     n, kind = st.n, "cuda" if st.dev.out.device.type == "cuda" else "cpu"
     width = (st.host.pos[:n] + 1) * st.host.busy[:n]      # (n,) host counters: no sync
     run, bucket = max(-(-n // ATTN_GROUPS), GROUP_ROWS[kind]), WIDTH_BUCKET[kind]
     starts = np.arange(0, n, run)
-    widest = np.minimum(length, np.maximum(1, -(-np.maximum.reduceat(width, starts) // bucket)) * bucket)
+    need = np.maximum.reduceat(width, starts) + headroom                    # (runs,) columns each run needs
+    widest = np.minimum(length, np.maximum(1, -(-need // bucket)) * bucket)
     return _cheapest(starts.tolist(), np.minimum(starts + run, n).tolist(), widest.tolist(),
                      ATTN_CALL[kind] / per_column)
+
+
+def _cost(groups: tuple, call: float) -> float:
+    """What a step attending `groups` costs, in row-columns: `call` a group plus rows x width."""
+    return sum(call + (b - a) * w for a, b, w in groups)
 
 
 def _cheapest(starts: list, ends: list, widths: list, call: float) -> tuple:
@@ -532,26 +576,54 @@ def _schedule(model, cache, writes, st: _Rows, job: _Job, counts) -> None:
 
 
 def _prefill(model, cache, writes, distinct: list, dst: list, src: list, pad_id: int):
-    """Run the U `distinct` prompts through the model, left-padded, in the chunks of
-    _prefill_chunks (longest first, each padded to its longest); the K/V of distinct[src[k]]
-    goes into columns [0, len) of cache row dst[k] (its pad positions to the last column, which
-    no live row attends). Return the (U, V) fp32 logits of each prompt's first new token."""
+    """Run the U `distinct` prompts through the model in the chunks of _prefill_chunks (longest
+    first, each padded to its longest); the K/V of distinct[src[k]] goes into columns [0, len)
+    of cache row dst[k] (its pad positions to the last column, which no live row attends).
+    Where PREFILL_CAUSAL (CUDA), a chunk is right-padded and runs the causal kernel with no
+    mask, its logits read at each row's own last position (_last_logits); elsewhere it is
+    left-padded with an explicit (U', 1, P, P) mask. Return the (U, V) fp32 logits of each
+    prompt's first new token."""
     dev, L = writes.columns.device, len(writes.columns)
-    chunks = _prefill_chunks([len(p) for p in distinct], "cuda" if dev.type == "cuda" else "cpu")
+    kind = "cuda" if dev.type == "cuda" else "cpu"
+    chunks = _prefill_chunks([len(p) for p in distinct], kind)
     dst, src = np.asarray(dst), np.asarray(src)
     logits = [None] * len(distinct)
     for chunk in chunks:
-        ids, mask = left_pad([distinct[u] for u in chunk], pad_id, dev)    # (U', P)
-        P, sel, where = ids.shape[1], np.flatnonzero(np.isin(src, chunk)), {u: i for i, u in enumerate(chunk)}
+        rows = [distinct[u] for u in chunk]
+        P, sel, where = max(map(len, rows)), np.flatnonzero(np.isin(src, chunk)), {u: i for i, u in enumerate(chunk)}
         lens = np.array([len(distinct[u]) for u in src[sel]])
-        cols = np.arange(P)[None, :] - (P - lens)[:, None]                 # (N, P): padded position -> column
+        pad = np.zeros_like(lens) if PREFILL_CAUSAL[kind] else P - lens                # (N,) pads before the prompt
+        cols = np.arange(P)[None, :] - pad[:, None]                                 # (N, P): position -> column
         writes.prefill(_to(dst[sel][:, None], dev), _to(np.array([where[u] for u in src[sel]]), dev),
-                       _to(np.where(cols < 0, L - 1, cols), dev))
-        res = model(input_ids=ids, attention_mask=_prefill_mask(mask), position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                    use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+                       _to(np.where((cols < 0) | (cols >= lens[:, None]), L - 1, cols), dev))
+        if PREFILL_CAUSAL[kind]:
+            first = _last_logits(model, cache, rows, pad_id, dev)                   # (U', V)
+        else:
+            ids, mask = left_pad(rows, pad_id, dev)                                 # (U', P)
+            first = model(input_ids=ids, attention_mask=_prefill_mask(mask), use_cache=True, logits_to_keep=1,
+                          position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                          **{cache_kwarg(model): cache}).logits[:, -1].float()          # (U', V)
         for i, u in enumerate(chunk):
-            logits[u] = res.logits[i, -1].float()
+            logits[u] = first[i]
     return torch.stack(logits)
+
+
+def _last_logits(model, cache, prompts: list, pad_id: int, dev):
+    """(U, V) fp32 logits of each prompt's first new token from one right-padded forward with
+    no mask: a prompt's tokens come first, so the causal kernel (flash) attends each of them
+    over its own prompt only (the pads behind are never attended by a real token); the
+    decoder's last hidden state at each row's own last position goes through the output
+    embedding, so no (U, P, V) logits are made. That is a causal LM's forward for Qwen3 and
+    Llama; a model that scales or caps its logits after the head would need it here too."""
+    U, P = len(prompts), max(map(len, prompts))
+    ids = torch.full((U, P), pad_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+    ids, last = ids.to(dev), torch.tensor([len(p) - 1 for p in prompts], device=dev)   # (U, P), (U,)
+    decoder = model.get_decoder()
+    hidden = decoder(input_ids=ids, position_ids=torch.arange(P, device=dev).expand(U, P), use_cache=True,
+                     **{cache_kwarg(decoder): cache}).last_hidden_state                   # (U, P, hidden)
+    return model.get_output_embeddings()(hidden[torch.arange(U, device=dev), last]).float()   # (U, V)
 
 
 def _prefill_chunks(lens: list, kind: str) -> list:
@@ -684,18 +756,24 @@ def _retire(st: _Rows, ended) -> None:
 class _Decoder:
     """The forward of a decode step over the first n cache rows: every row feeds st.dev.tok at
     its column st.dev.pos (= its position), writes its K/V there, and row group (a, b, w) attends
-    its first w columns; the next-token logits land in st.dev.logits. Its inputs are buffers
-    written in place (tokens, positions, the cache), the mask is built inside from the
-    positions, and nothing in it reads the device, so on CUDA (`graphs`) it is captured as a
-    CUDA graph once per (n, groups) and replayed; a generate call runs one adapter, so a graph
-    belongs to one adapter. If a capture fails, the call decodes eagerly (`eager` becomes True)
-    and the reason is printed once per process."""
+    its first w columns (the mask, built inside from the positions, hides a row's columns past
+    its own); the next-token logits land in st.dev.logits. Its inputs are buffers written in
+    place (tokens, positions, the cache) and nothing in it reads the device, so on CUDA
+    (`graphs`) a step of n rows over `groups` is captured once as a CUDA graph and replayed
+    (cudagraphs.StepGraphs); a generate call runs one adapter, so a graph belongs to one adapter.
+
+    Which groups a step attends is `layout`: where HEADROOM is 0 (a CPU), the cheapest groups of
+    this step's widths (_groups); elsewhere the groups of an earlier step of as many rows are
+    kept while they still cover every busy row and cost at most RELAYOUT times the fresh ones,
+    and fresh groups get HEADROOM columns to grow into: so one graph serves a hundred steps or
+    more instead of one width bucket's worth."""
 
     def __init__(self, model, cache, writes: _Writes, st: _Rows, graphs: bool):
         self.model, self.cache, self.writes, self.st = model, cache, writes, st
-        self.eager, self.graphs, self.pool = not graphs, {}, None
+        self.graphs = cudagraphs.StepGraphs(st.dev.out.device) if graphs else None
         self.cache_kw = cache_kwarg(model)
-        self.replays = self.eager_steps = 0
+        self.layouts = {}          # n -> the row groups steps of n rows attend while they cover
+        self.eager_steps = 0
 
     def forward(self, n: int, groups: tuple) -> None:
         d = self.st.dev
@@ -707,61 +785,40 @@ class _Decoder:
         d.logits[:n] = out.logits[:, -1]                             # (n, V) fp32
 
     def __call__(self, n: int, groups: tuple) -> None:
-        if self.eager:
+        if self.graphs is None:
             self.eager_steps += 1
             return self.forward(n, groups)
-        graph = self.graphs.get((n, groups))
-        if graph is None:
-            graph = self._capture(n, groups)                         # its warm-up ran this step
-            if graph is not None:
-                self.graphs[(n, groups)] = graph
-            return
-        graph.replay()
-        self.replays += 1
+        self.graphs.run((n, groups), lambda: self.forward(n, groups))
 
-    def _capture(self, n: int, groups: tuple):
-        """Run the step once on a side stream (lazy set-ups happen outside the capture), then
-        capture it into a graph that shares one memory pool with the call's other graphs; None
-        if the capture fails (the call decodes eagerly from then on)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.forward(n, groups)
-        torch.cuda.current_stream().wait_stream(side)
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.forward(n, groups)
-            self.pool = graph.pool()
-            return graph
-        except Exception as e:  # noqa: BLE001 - any failure: decode eagerly
-            if not GRAPHS["refused"]:
-                GRAPHS["refused"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                print(f"engine: no CUDA graph ({GRAPHS['refused']}); decoding eagerly", file=sys.stderr)
-            self.eager = True
-            torch.cuda.synchronize()
-            return None
+    def layout(self, length: int, per_column: int) -> tuple:
+        """The row groups of this step (see the class): ((start, end, w), ...)."""
+        st = self.st
+        kind = "cuda" if st.dev.out.device.type == "cuda" else "cpu"
+        fresh = _groups(st, length, per_column, HEADROOM[kind])
+        if not HEADROOM[kind]:
+            return fresh
+        held, call = self.layouts.get(st.n), ATTN_CALL[kind] / per_column
+        width = (st.host.pos[:st.n] + 1) * st.host.busy[:st.n]      # (n,) host counters: no sync
+        if held is not None and all(width[a:b].max() <= w for a, b, w in held) \
+                and _cost(held, call) <= RELAYOUT * _cost(fresh, call):
+            return held
+        self.layouts[st.n] = fresh
+        return fresh
 
-
-# What the decode graphs did in this process, for the bench scripts to report: generate calls,
-# graphs captured, steps replayed, steps run eagerly, and the first capture failure ("" if none).
-GRAPHS = {"calls": 0, "captures": 0, "replays": 0, "eager_steps": 0, "refused": ""}
-
-
-def graphs_line() -> str:
-    """One line of GRAPHS: whether decode steps replayed graphs or ran eagerly (and why)."""
-    g = GRAPHS
-    why = f"; graphs refused: {g['refused']}" if g["refused"] else ""
-    return (f"{g['calls']} generate calls, {g['captures']} graph captures "
-            f"({g['captures'] / max(g['calls'], 1):.1f} per call), {g['replays']} steps replayed, "
-            f"{g['eager_steps']} eager{why}")
+    def count(self) -> None:
+        """Add this call's captures, replays and eager steps to cudagraphs.GRAPHS."""
+        if self.graphs is None:
+            cudagraphs.GRAPHS["calls"] += 1
+            cudagraphs.GRAPHS["eager_steps"] += self.eager_steps
+        else:
+            self.graphs.count()
 
 
 @torch.no_grad()  # not inference_mode: its tensors could not be reused by autograd later
 def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
              temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, keys=None, share_prefix: bool = True,
              kv_budget: int | None = None, max_rows: int | None = None, stats: dict | None = None,
-             cuda_graphs: bool = True) -> Generation:
+             cuda_graphs: bool = True, host: bool = False) -> Generation:
     """Sample a completion for every prompt (a list of token-id lists), as generate_simple does.
     `max_new_tokens`: one limit, or one per prompt. Row i's token t is drawn with
     seeds.uniforms(seed, keys[i], t), so what a row samples does not depend on the cache row it
@@ -769,7 +826,8 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     at once) and `max_rows` rows are held. `cuda_graphs`: replay decode steps from CUDA graphs
     on a CUDA device. `stats`, a dict, gets prefill_rows (prompts run through a prefill) and
     decode_steps added, and kv_bytes (cache tensors held) and rows (rows held at once) raised to
-    this call's."""
+    this call's. `host`: the Generation's tensors on the host, each copied there once (what
+    rollout.make_llm reads row by row, several device reads a row otherwise)."""
     limits = check_limits(prompts, max_new_tokens)
     dev = next(model.parameters()).device
     need = max(len(p) + int(t) for p, t in zip(prompts, limits))  # columns of the longest row
@@ -777,11 +835,14 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     cache, writes = _row_cache(model, S, need)
     job = _new_job(prompts, limits, pad_id, share_prefix, row_keys(keys, len(prompts), dev), dev)
     st = _Rows.empty(S, discard=len(prompts), device=dev)
-    decode, check = _Decoder(model, cache, writes, st, cuda_graphs and dev.type == "cuda"), _StopCheck(S, dev)
+    decode = _Decoder(model, cache, writes, st, cuda_graphs and cudagraphs.usable(dev))
+    check = _StopCheck(S, dev)
     stops = torch.tensor(sorted(set(stop_ids)), device=dev)
     per_column = math.prod(_kv_heads_and_dim(model.config))   # K/V elements of one row-column, per layer
     counts = Counter(prefill_rows=0, decode_steps=0)
-    with _row_attention(model):
+    # the model's device current (a graph or stream on another one records nothing), and the
+    # attention kernel pinned (policies.attention_kernels)
+    with cudagraphs.on_device(dev), _row_attention(model), policies.attention_kernels(dev):
         while True:
             _schedule(model, cache, writes, st, job, counts)
             if not st.host.busy.any():
@@ -789,17 +850,17 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
             _sample(st, job, seed, temperature, top_p, stops)
             _retire(st, check(st))
             if st.host.busy.any():
-                decode(st.n, _groups(st, need, per_column))
+                decode(st.n, decode.layout(need, per_column))
                 counts["decode_steps"] += 1
     if stats is not None:
         for k, v in counts.items():
             stats[k] = stats.get(k, 0) + v
         stats["kv_bytes"] = max(stats.get("kv_bytes", 0), cache_bytes(cache))
         stats["rows"] = max(stats.get("rows", 0), S)
-    for k, v in (("calls", 1), ("captures", len(decode.graphs)), ("replays", decode.replays),
-                 ("eager_steps", decode.eager_steps)):
-        GRAPHS[k] += v
+    decode.count()
     out = _output(job)
+    if host:
+        out = Generation(out.tokens.cpu(), out.logprobs.cpu(), out.mask.cpu(), out.finished.cpu())
     if dev.type == "cuda":  # the cache and the graphs' pool go back before the update runs
         del cache, decode, st, writes
         torch.cuda.empty_cache()

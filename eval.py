@@ -468,7 +468,7 @@ def _llm_from_settings(args, st: dict, kind: str):
                              isolation=st["isolation"], rank=st["lora_rank"], alpha=st["lora_alpha"])
     if st["checkpoint"]:
         policy.load_adapters(st["checkpoint"])
-    sampler = functools.partial(engine.generate, kv_budget=engine.default_kv_budget(args.device))
+    sampler = functools.partial(engine.generate, kv_budget=engine.default_kv_budget(args.device), host=True)
     return rollout.make_llm(policy, sampler=sampler, temperature=args.temperature, top_p=1.0, seed=st["seed"],
                             max_new_tokens=st["max_new_tokens"], max_prompt_tokens=st["max_prompt_tokens"],
                             max_embed_tokens=st["max_embed_tokens"])

@@ -13,7 +13,8 @@ Choices, each a flag of train.py:
   stays a plain Hugging Face model (save_pretrained, generate and KL-to-base keep working).
   The delta is computed in the base's dtype, x A^T then one addmm (B^T, scale, add); the
   adapters' parameters stay fp32. A bf16 base (the default on CUDA) adds the small delta in
-  bf16. On CUDA, fp32 matmuls may use TF32 (set in `load`).
+  bf16. On CUDA, fp32 matmuls may use TF32 and cuDNN's attention is off (`cuda_settings`, from
+  `load`).
 - `--sharing shared`: one adapter "shared" for every role. `--sharing isolated`: one adapter per
   role type (the 3 voters share "generator", all workers share "worker").
 - `--isolation full`: instead of adapters, a full trainable copy of the model per adapter name
@@ -34,6 +35,7 @@ import os
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import gguf_models
 
@@ -73,9 +75,8 @@ def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_
 
     if dtype is None:  # bf16 on GPU as in the paper; fp32 on CPU where bf16 matmuls are slow
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    if str(device).startswith("cuda"):  # fp32 matmuls (the adapters' update, an fp32 base) in TF32
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    if str(device).startswith("cuda"):
+        cuda_settings(device)
     check_scale(scale)
     reading = contextlib.nullcontext()
     if scale == "toy":
@@ -100,6 +101,39 @@ def load(scale: str, device: str = "cpu", dtype: torch.dtype | None = None, toy_
         tokenizer.pad_token = tokenizer.eos_token
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
+
+
+def cuda_settings(device) -> None:
+    """What a run on a CUDA device sets for the whole process (train.py and eval.py, through
+    `load`):
+    - `cuda:N` becomes the current device: streams, events and CUDA graphs made without naming a
+      device go to the current one (cuda:0 unless set), not to where the model is. A plain `cuda`
+      is the current device already (and torch.cuda.set_device refuses it);
+    - fp32 matmuls (the adapters' update, an fp32 base) run in TF32;
+    - cuDNN's SDPA kernel is off, so attention runs the memory-efficient kernel wherever a mask
+      is passed (decode, a padded training batch) and flash where none is (prefill, a batch
+      without padding): PyTorch 2.9 and later try cuDNN's first on H100/H200, and it builds a
+      plan for every new shape, while this project's shapes change at every call and
+      micro-batch (bench/sdpa.py times each kernel on new shapes). A global switch, not a
+      context, so a checkpointed layer's recompute in the backward picks what its forward
+      picked. engine.generate also pins the kernels for its own calls (attention_kernels), for
+      callers that never loaded through here (the bench scripts)."""
+    device = torch.device(device)
+    if device.index is not None:
+        torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def attention_kernels(device):
+    """A context pinning the SDPA kernels of a CUDA device as `cuda_settings` does for the whole
+    process: flash, memory-efficient or math, never cuDNN's; nothing elsewhere (CPU results stay
+    as they are)."""
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def stop_ids(model, tokenizer) -> list:
@@ -134,6 +168,13 @@ def checkpoint_layers(model) -> None:
 
 # ----------------------------------------------------------------------------- LoRA
 
+# Optimizer steps taken in this process, by any optimizer: the bf16 copies of the adapters
+# (LoRA.weights) are refreshed when it moves, since a fused AdamW writes the parameters
+# without moving their version counters.
+STEPS = [0]
+register_optimizer_step_post_hook(lambda *_: STEPS.__setitem__(0, STEPS[0] + 1))
+
+
 def lora_targets(model) -> dict:
     """name -> nn.Linear for every linear layer LoRA adapts (all but the output head)."""
     head = model.get_output_embeddings()
@@ -148,7 +189,7 @@ class LoRA(nn.Module):
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         self.targets = lora_targets(model)
         self.active = None  # None (base) or an adapter name
-        self._cast = {}     # (name, layer, dtype) -> [versions, A, B]: see weights
+        self._cast = {}     # (name, layer, dtype) -> [(steps, versions), A, B]: see weights
         # per adapter name, one parameter list aligned with `targets` (module names contain
         # dots, which parameter-dict keys may not)
         self.A = nn.ModuleDict()
@@ -171,16 +212,16 @@ class LoRA(nn.Module):
 
     def weights(self, name: str, i: int, dtype):
         """(A, B) of adapter `name` at layer i in `dtype` (the base's): the fp32 parameters, or
-        casts that carry the gradient back when grad is on, else copies kept until a parameter
-        changes (its version moves), refreshed in place so a CUDA graph reads the same memory."""
+        casts that carry the gradient back when grad is on, else copies kept until an optimizer
+        step (STEPS) or an in-place edit (the versions) changes them, refreshed in place."""
         A, B = self.A[name][i], self.B[name][i]
         if dtype == A.dtype or torch.is_grad_enabled():
             return A.to(dtype), B.to(dtype)
         held = self._cast.get((name, i, dtype))
         if held is None:
             held = self._cast[name, i, dtype] = [None, A.detach().to(dtype), B.detach().to(dtype)]
-        if held[0] != (A._version, B._version):
-            held[0] = (A._version, B._version)
+        if held[0] != (STEPS[0], A._version, B._version):    # in place: a CUDA graph reads them
+            held[0] = (STEPS[0], A._version, B._version)
             held[1].copy_(A)
             held[2].copy_(B)
         return held[1], held[2]

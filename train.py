@@ -80,7 +80,8 @@ def llm_from_flags(policy, args, kv_budget):
     import engine
     import rollout
     sampler = rollout.generate_simple if args.sampler == "simple" else functools.partial(
-        engine.generate, kv_budget=kv_budget, max_rows=args.max_rows, cuda_graphs=args.cuda_graphs == "on")
+        engine.generate, kv_budget=kv_budget, max_rows=args.max_rows, cuda_graphs=args.cuda_graphs == "on",
+        host=True)   # each call's outputs copied to the host once, before make_llm reads them row by row
     return rollout.make_llm(policy, sampler=sampler, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                             seed=args.seed, max_embed_tokens=args.max_embed_tokens)

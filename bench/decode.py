@@ -62,6 +62,8 @@ def build(config: dict, device: str, dtype):
     torch.manual_seed(0)
     cfg = Qwen3Config(**config, tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
                       max_position_embeddings=40960)
+    if torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))     # cuda:N current, as policies.use_device makes it in a run
     with torch.device(device):
         model = Qwen3ForCausalLM(cfg)
     return model.to(dtype).eval().requires_grad_(False)

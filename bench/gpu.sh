@@ -35,7 +35,7 @@ if [ "${1:-}" = "--tiny" ]; then
   DEVICE=cpu SCALE=tiny TRAIN_NEW=8 TRAIN_PROBLEMS=4 ROWS=4 WIDTHS="64 128" STEPS=4
   SLOTS=8 PROMPTS=32 NEW=16 SDPA="--config tiny --prompt-len 48 --new 8 --shapes 2 --repeats 3"
 else
-  DEVICE=cuda SCALE=0.6b TRAIN_NEW=${TRAIN_NEW:-512} TRAIN_PROBLEMS=64 ROWS=120 WIDTHS="512 2560 5120" STEPS=16
+  DEVICE=cuda SCALE=0.6b TRAIN_NEW=${TRAIN_NEW:-256} TRAIN_PROBLEMS=64 ROWS=120 WIDTHS="512 2560 5120" STEPS=16
   SLOTS=128 PROMPTS=512 NEW=256 SDPA="--config 0.6b"
 fi
 OUT=${OUT:-.}
@@ -62,7 +62,7 @@ row "environment" "$(cat "$work/env")"
 run_train() {
 part "train: one training step at the $SCALE shape, Voting, $TRAIN_PROBLEMS problems x 8, $TRAIN_NEW new tokens"
 limit 40 $PY bench/random_model.py --config "$SCALE" --device "$DEVICE" --out "$work/model" || row "training step" "no model (rc $?)"
-limit 190 $PY -u bench/train_step.py --scale "$work/model" --data toy_math --workflow voting --steps 1 \
+limit 180 $PY -u bench/train_step.py --scale "$work/model" --data toy_math --workflow voting --steps 1 \
     --problems-per-step "$TRAIN_PROBLEMS" --eval-every 0 --eval-problems 8 --max-new-tokens "$TRAIN_NEW" \
     --kl-coef 0.001 --save-every 0 --samples-every 0 --device "$DEVICE" --quiet --out "$work/run" \
     2>&1 | tee "$work/train.log" | grep -E "^(memory|update|rollout|engine):|Error|error" ; echo "(rc ${PIPESTATUS[0]})"
@@ -84,7 +84,7 @@ PY
 
 run_decode() {
 part "decode: the decode step in the paper's regime: $SCALE shape, LoRA r64, $ROWS rows, W = $WIDTHS"
-limit 90 $PY -u bench/decode.py --section paper --device "$DEVICE" --config "$SCALE" --rows "$ROWS" \
+limit 60 $PY -u bench/decode.py --section paper --device "$DEVICE" --config "$SCALE" --rows "$ROWS" \
     --widths $WIDTHS --steps "$STEPS" --json "$work/paper.json" || echo "(stopped: rc $?)"
 $PY - "$work/paper.json" >> "$summary" <<'PY'
 import json, sys
@@ -104,7 +104,7 @@ run_sampler() {
 part "sampler: parity with model.generate, then tokens/s"
 limit 30 $PY -u bench/generate.py --check --device "$DEVICE" | tee "$work/parity"
 row "greedy parity with model.generate" "$(tail -1 "$work/parity")"
-limit 60 $PY -u bench/generate.py --device "$DEVICE" --config "$SCALE" --workload realistic --slots "$SLOTS" \
+limit 100 $PY -u bench/generate.py --device "$DEVICE" --config "$SCALE" --workload realistic --slots "$SLOTS" \
     --prompts "$PROMPTS" --new "$NEW" --samplers continuous,model.generate --repeats 1 | tee "$work/sampler"
 row "sampler tok/s: continuous vs model.generate" "$(grep -E '^  (continuous|model.generate) ' "$work/sampler" | \
     awk '{printf "%s %s  ", $1, $2}') $(grep -o 'continuous = .*' "$work/sampler")"

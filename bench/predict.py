@@ -20,6 +20,9 @@ mean_len=2000). The counts per decode step come from bench/decode.py --section o
   copies it g times with repeat_kv (read once, written g times, read g times by SDPA); after,
   each row attends about its own width (the mean width of a row in flight, E[len^2]/2E[len]
   past its prompt, plus the width groups' rounding);
+- a stage's prefill: its distinct prompts through 2 x params FLOPs a token plus the attention's
+  P x P square (before: all of it, an explicit mask; after: half, the causal kernel), and (after)
+  one CUDA graph capture every `steps_per_capture` decode steps;
 - the update: every sample's prompt + completion through 8 x params FLOPs a token (the old
   logprobs' forward, the training forward, the checkpointed recompute, the backward to the
   activations) plus causal attention, at the training efficiency of the GPU's bf16 peak.
@@ -56,6 +59,10 @@ CONSTANTS = dict(
     group_over=1.56,        # after: attended / own widths: 4 groups of 30 rows at 120 rows (GROUP_ROWS_CUDA),
                             # widths rounded to 128 (simulated for the lengths above)
     problems=64, rollouts=8,
+    capture_ms=60.0,        # after: one CUDA graph capture with its warm-up step and synchronize, ms (stated)
+    steps_per_capture=129,  # after: decode steps per capture (tests/test_cudagraphs.py's paper-like voter call;
+                            # 33 without engine.HEADROOM)
+    prefill_eff=0.40,       # share of peak bf16 FLOP/s a prefill reaches
 )
 
 
@@ -68,8 +75,10 @@ def lengths(c):
     return m1, m2, c["cap"]
 
 
-def stage(s, gpu, c, rows, prompt, mean, m2, longest, after):
-    """Seconds of one stage: `rows` calls of `prompt` tokens and `mean` completions."""
+def stage(s, gpu, c, rows, prompt, mean, m2, longest, after, distinct):
+    """Seconds of one stage: `rows` calls of `prompt` tokens and `mean` completions, `distinct`
+    of the prompts prefilled (identical prompts are prefilled once), and (after) the graphs'
+    captures."""
     kvb = 2 * s["layers"] * s["kv"] * s["head_dim"] * 2                        # bf16 K/V bytes a token
     weights = s["params"] * 2e9
     free = gpu["hbm_gb"] * 1e9 - weights - c["reserved_gb"] * 1e9
@@ -95,7 +104,19 @@ def stage(s, gpu, c, rows, prompt, mean, m2, longest, after):
         return max(host, device)
     full = rows * mean / S
     tail = longest
-    return full * step(S) + tail * step(max(1, S // 4)), S, step(S)
+    decode = full * step(S) + tail * step(max(1, S // 4))
+    captures = (full + tail) / c["steps_per_capture"] * c["capture_ms"] * 1e-3 if after else 0.0
+    return decode + captures + prefill_s(s, gpu, c, distinct, prompt, after), S, step(S)
+
+
+def prefill_s(s, gpu, c, prompts, length, after):
+    """Seconds of prefilling `prompts` distinct prompts of `length` tokens: 2 x params FLOPs a
+    token plus the attention (QK^T and PV, every head and layer): the full P x P square before
+    (an explicit mask), half of it after (the causal kernel on right-padded prompts)."""
+    square = 0.5 if after else 1.0
+    flops = prompts * (2 * s["params"] * 1e9 * length
+                       + square * 4 * length * length * s["heads"] * s["head_dim"] * s["layers"])
+    return flops / (gpu["tflops"] * 1e12 * c["prefill_eff"])
 
 
 def update_s(s, gpu, c, samples):
@@ -111,13 +132,14 @@ def predict(scale, gpu_name, c, workflow, after):
     mean, m2, longest = lengths(c)
     episodes = c["problems"] * c["rollouts"]
     voters = 3 if workflow == "voting" else 1
-    gen, S, ms = stage(s, gpu, c, voters * episodes, c["prompt"], mean, m2, longest, after)
+    # every voter and rollout of a problem gets the same prompt: one prefill a problem
+    gen, S, ms = stage(s, gpu, c, voters * episodes, c["prompt"], mean, m2, longest, after, c["problems"])
     parts = {"generators": gen}
     samples = [(c["prompt"] + mean, voters * episodes)]
     if workflow == "voting":
         agg_prompt = 3 * min(mean, c["embed"]) + 512
         parts["aggregator"], _, _ = stage(s, gpu, c, episodes, agg_prompt, c["agg_len"], 2 * c["agg_len"] ** 2,
-                                          4 * c["agg_len"], after)
+                                          4 * c["agg_len"], after, episodes)
         samples.append((agg_prompt + c["agg_len"], episodes))
     parts["update"] = update_s(s, gpu, c, samples)
     return parts, S, ms

@@ -60,6 +60,8 @@ def main():
     torch.manual_seed(0)
     shape = {**CONFIGS[args.config], "vocab_size": len(tok)}  # the toy vocabulary: prompts are real text
     model = Qwen3ForCausalLM(Qwen3Config(**shape, tie_word_embeddings=True, rope_theta=1e6))
+    if args.device.startswith("cuda"):   # as a run sets it (policies.load): cuda:N current, no cuDNN attention
+        policies.cuda_settings(args.device)
     model = model.to(args.device, dtype).eval().requires_grad_(False)
     model.generation_config.eos_token_id = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     policy = policies.Policy(model, tok, wf.ROLES["voting"], "shared", rank=8, alpha=16)

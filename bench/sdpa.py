@@ -7,8 +7,9 @@ The three call sites: decode (engine.decode_attention, a one-token query with th
 folded), prefill (engine._prefill, through transformers' SDPA function with a 4-D mask) and
 training (grpo.batch_logprobs' forward and backward, transformers' SDPA with the padding mask).
 1. record: F.scaled_dot_product_attention is wrapped while one small engine.generate call and
-   one training forward and backward run; for every call the wrapper asks
-   torch._fused_sdp_choice which backend PyTorch picks for those very arguments.
+   one training forward and backward run, the kernels pinned as in a run
+   (policies.attention_kernels); for every call the wrapper asks torch._fused_sdp_choice which
+   backend PyTorch picks for those very arguments under the pin.
 2. time: on the largest recorded call of each site, every backend forced in turn
    (torch.nn.attention.sdpa_kernel), and "default" (PyTorch's pick): the first call on each of
    --shapes new shapes (what a kernel that builds a plan per shape pays: this project's shapes
@@ -32,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import engine  # noqa: E402
 import grpo  # noqa: E402
+import policies  # noqa: E402
 
 from generate import build_model  # noqa: E402  (bench/generate.py: a random Qwen3 on the device)
 
@@ -76,7 +78,8 @@ def record(model, prompts: int, prompt_len: int, new: int):
     completions = [out.tokens[i][out.mask[i]].tolist() for i in range(prompts)]
     model.requires_grad_(True)
     site[0] = "training"
-    with torch.enable_grad():
+    # pinned as grpo.update's forward and backward are (under Policy.using)
+    with torch.enable_grad(), policies.attention_kernels(next(model.parameters()).device):
         lp, _, _ = grpo.batch_logprobs(model, ids, completions, 0.7)
         lp.sum().backward()
     site[0] = "other"

@@ -4,7 +4,7 @@
 
 Runs train.main with the same flags; around every grpo.update it synchronises, resets CUDA's
 peak-memory counter, and prints one line `update: S s, peak G GiB`; at the end, one line
-`engine: ...` of what the decode graphs did (engine.graphs_line). generate hands its KV
+`engine: ...` of what the decode graphs did (cudagraphs.graphs_line). generate hands its KV
 cache back (torch.cuda.empty_cache) before it returns, so that peak is the update's own:
 weights, adapters, AdamW states, one micro-batch's activations and logits, no KV cache.
 """
@@ -15,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import engine  # noqa: E402
+import cudagraphs  # noqa: E402
 import grpo  # noqa: E402
 import train  # noqa: E402
 
@@ -41,4 +41,4 @@ if __name__ == "__main__":
     try:
         train.main(sys.argv[1:])
     finally:
-        print(f"engine: {engine.graphs_line()}", flush=True)
+        print(f"engine: {cudagraphs.graphs_line()}", flush=True)

@@ -184,3 +184,29 @@ def test_lora_in_bf16_is_two_matmuls_on_casts_kept_until_the_adapter_changes():
         graded.float().square().sum().backward()
     assert torch.equal(again, graded.detach()) and not torch.equal(again, out)
     assert A.grad is not None and A.grad.dtype == torch.float32
+
+
+def test_bf16_copies_follow_an_optimizer_step_that_moves_no_version_counter():
+    # a fused AdamW writes the parameters without bumping their version counters; every
+    # optimizer step of the process moves policies.STEPS instead, which the copies are keyed on
+    model = tiny_qwen3(seed=0).to(torch.bfloat16)
+    pol = policies.Policy(model, None, ("generator",), "shared", rank=4, alpha=8)
+    randomise(pol, "shared")
+    lin = next(iter(pol.lora.targets.values()))
+    x = torch.randn(3, lin.in_features, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(pol.parameters_of("shared"), lr=0.0)
+    B = pol.lora.B["shared"][0]
+
+    def sampled():
+        with torch.no_grad(), pol.using("shared"):
+            return lin(x)
+    before = sampled()
+    version = B._version
+    B.data.add_(0.5)                                   # as a fused step writes: no version bump
+    assert B._version == version and torch.equal(sampled(), before)   # without a step, stale copies
+    for p in pol.parameters_of("shared"):
+        p.grad = torch.zeros_like(p)
+    opt.step()                                         # lr 0: the step itself moves nothing
+    with pol.using("shared"):
+        want = lin(x).detach()                         # with grad: fresh casts of the parameters
+    assert torch.equal(sampled(), want) and not torch.equal(want, before)

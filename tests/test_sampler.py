@@ -488,11 +488,11 @@ def test_rows_attended_in_width_groups_sample_what_generate_simple_does(build, m
     monkeypatch.setattr(engine, "ATTN_GROUPS", 4)
     seen, sorted_rows, groups = [], [], engine._groups
 
-    def watched(st, length, per_column):
+    def watched(st, length, per_column, headroom=0):
         busy = st.host.busy[:st.n] == 1
         width = (st.host.pos[:st.n] + 1)[busy]                  # the rows in flight, in cache order
         sorted_rows.append(bool((width[:-1] >= width[1:]).all()) and busy.sum() == st.host.busy.sum())
-        seen.append(groups(st, length, per_column))
+        seen.append(groups(st, length, per_column, headroom))
         return seen[-1]
     monkeypatch.setattr(engine, "_groups", watched)
     m = build(seed=0)
@@ -551,6 +551,28 @@ def test_prompts_prefilled_in_several_chunks_sample_what_generate_simple_does(mo
                            simple)
 
 
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+def test_right_padded_causal_prefill_samples_what_generate_simple_does(build, monkeypatch):
+    # CUDA's prefill on a CPU: right-padded chunks through the causal kernel with no mask, each
+    # row's first logits read at its own last position; prompts of several lengths in one chunk
+    # (padded), or a chunk a length, with prefix sharing and refills in a small budget
+    monkeypatch.setitem(engine.PREFILL_CAUSAL, "cpu", True)
+    seen, real = [], engine._last_logits
+    monkeypatch.setattr(engine, "_last_logits", lambda *a: seen.append({len(p) for p in a[2]}) or real(*a))
+    m = build(seed=0)
+    prompts, limits = MIXED + MIXED[:4], MIXED_LIMITS + MIXED_LIMITS[:4]   # some prompts twice
+    keys = [seeds.key("causal", i) for i in range(len(prompts))]
+    for temperature, top_p in ((0, 1.0), (0.7, 0.9)):
+        simple = rollout.generate_simple(m, prompts, limits, STOP, PAD, temperature=temperature, top_p=top_p,
+                                         seed=2, keys=keys)
+        for rows, call in ((3, 0), (None, 0), (None, 64)):
+            monkeypatch.setitem(engine.PREFILL_CALL, "cpu", call)   # 0: a forward costs nothing, a chunk a length
+            fast = engine.generate(m, prompts, limits, STOP, PAD, temperature=temperature, top_p=top_p, seed=2, keys=keys,
+                                   kv_budget=None if rows is None else budget_for(m, rows, prompts, limits))
+            assert_same_generation(fast, simple)
+    assert len(seen) >= 6 and max(map(len, seen)) >= 3     # several chunks, one of several lengths
+
+
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 
 
@@ -579,6 +601,32 @@ def test_no_host_sync_inside_a_decode_step_and_the_stop_check_read_once_every_4_
     assert steps >= 40 and stats["rows"] == 5
     assert count["step"] == 0                          # sampling, the forward and the counters
     assert count["loop"] <= steps // 4 + 1 + 1         # the stop check's reads, the output's length
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+def test_the_cuda_stop_check_period_samples_what_generate_simple_does(build, monkeypatch):
+    # CUDA's schedule on a CPU: the host learns of a stop id from a copy read every 4 steps, so
+    # a row that stopped runs on (its tokens discarded) for up to 8 steps and its cache row is
+    # refilled later; what each row keeps must not change, greedy or keyed, through refills
+    assert engine.STOP_EVERY["cuda"] == 4
+    m = build(seed=0)
+    keys = [seeds.key("stop-every", i) for i in range(len(MIXED))]
+    for temperature, top_p in ((0, 1.0), (0.7, 0.9)):
+        free = rollout.generate_simple(m, MIXED, 14, [63], PAD, temperature=temperature, top_p=top_p, seed=4, keys=keys)
+        stop = [int(free.tokens[0, 2]), 63]     # row 0 stops at step 2, others when they emit it
+        simple = rollout.generate_simple(m, MIXED, MIXED_LIMITS, stop, PAD, temperature=temperature, top_p=top_p,
+                                         seed=4, keys=keys)
+        assert simple.finished.sum() >= 2 and not simple.finished.all()   # rows that stop by id, and rows cut
+        for rows in (2, 5, None):
+            budget, steps = None if rows is None else budget_for(m, rows, MIXED, MIXED_LIMITS), {}
+            for every in (1, 4):   # the CPU's period, then CUDA's
+                monkeypatch.setitem(engine.STOP_EVERY, "cpu", every)
+                stats = {}
+                fast = engine.generate(m, MIXED, MIXED_LIMITS, stop, PAD, temperature=temperature, top_p=top_p, seed=4,
+                                       keys=keys, kv_budget=budget, stats=stats)
+                assert_same_generation(fast, simple)
+                steps[every] = stats["decode_steps"]
+            assert steps[4] > steps[1] or rows is None    # rows did run on: refills came later
 
 
 def test_no_repeat_kv_in_a_decode_step_on_any_transformers_version(monkeypatch):
@@ -632,3 +680,18 @@ def test_make_llm_fast_and_simple_samplers_give_the_same_calls(tmp_path):
         rollout.make_llm(pol, sampler="vllm")
     with pytest.raises(ValueError, match=r"needs keys=, one per row"):   # draws by call order: not on resume
         rollout.make_llm(pol)("generator", ["generator"], msgs[:1])
+
+
+def test_host_outputs_are_the_calls_four_tensors_copied_once(monkeypatch):
+    # make_llm reads every row's ids, logprobs and flag: on CUDA each read waits for the device,
+    # so train.py's and eval.py's fast sampler (host=True) hands it the call's four tensors
+    # copied to the host once, after the loop
+    m = tiny_qwen3(seed=0)
+    ref = engine.generate(m, PROMPTS, 5, STOP, PAD, temperature=0.7)
+    moved, real_cpu = [], torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: moved.append(tuple(self.shape)) or real_cpu(self, *a, **k))
+    gen = engine.generate(m, PROMPTS, 5, STOP, PAD, temperature=0.7, host=True)
+    monkeypatch.undo()
+    assert_same_generation(gen, ref)
+    assert all(t.device.type == "cpu" for t in (gen.tokens, gen.logprobs, gen.mask, gen.finished))
+    assert moved[-4:] == [tuple(gen.tokens.shape)] * 3 + [(len(PROMPTS),)]     # the last copies: one per tensor
