@@ -11,7 +11,7 @@ training (grpo.batch_logprobs' forward and backward, transformers' SDPA with the
    (policies.attention_kernels); for every call the wrapper asks torch._fused_sdp_choice which
    backend PyTorch picks for those very arguments under the pin.
 2. time: on the largest recorded call of each site, every backend forced in turn
-   (torch.nn.attention.sdpa_kernel), and "default" (PyTorch's pick): the first call on each of
+   (torch.nn.attention.sdpa_kernel), and "run" (the run's settings pick): the first call on each of
    --shapes new shapes (what a kernel that builds a plan per shape pays: this project's shapes
    change every call) and the median of --repeats calls on one shape; "n/a" where the backend
    refuses the arguments.
@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import engine  # noqa: E402
 import grpo  # noqa: E402
+import policies  # noqa: E402
 import policies  # noqa: E402
 
 from generate import build_model  # noqa: E402  (bench/generate.py: a random Qwen3 on the device)
@@ -102,12 +103,12 @@ def timed(fn, device) -> float:
 
 def time_backends(args_, kwargs, training: bool, shapes: int, repeats: int) -> dict:
     """{backend: (mean ms of a first call on a new shape, median ms on one shape) or None}; the
-    "default" entry forces nothing (PyTorch picks). Each entry gets shapes no other entry used,
+    "run" entry forces nothing (the run's settings pick). Each entry gets shapes no other entry used,
     so a plan a kernel cached for an earlier entry's shape is not counted as free."""
     q0, k0, v0 = args_
     device = q0.device
     out = {}
-    for i, (backend, name) in enumerate([(None, "default"), *BACKENDS.items()]):
+    for i, (backend, name) in enumerate([(None, "run"), *BACKENDS.items()]):
         def one(width_cut: int = 0):
             q, k, v = (t.detach().clone() for t in (q0, k0, v0))
             m = kwargs.get("attn_mask")
@@ -147,6 +148,8 @@ def main():
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     model = build_model(args.config, args.device)
+    if args.device.startswith("cuda"):
+        policies.cuda_settings(args.device)   # what train.py and eval.py set: the pick the runs see
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version() if args.device != 'cpu' else '-'}, "
           f"config {args.config}, {model.dtype}", flush=True)
     record(model, args.prompts, args.prompt_len, args.new)
