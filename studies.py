@@ -768,11 +768,20 @@ def main(argv=None):
 def _roles_cli(args) -> None:
     cache = {}
     for run in [r for folder in args.runs for r in run_folders(folder)]:
-        if os.path.isfile(os.path.join(run, ROLES)) or not os.path.isdir(os.path.join(run, "ckpt-last")):
-            print(f"skipped {run}: {'has ' + ROLES if os.path.isfile(os.path.join(run, ROLES)) else 'no ckpt-last'}",
-                  file=sys.stderr)
+        why = ("has " + ROLES if os.path.isfile(os.path.join(run, ROLES)) else
+               "not finished (no `done`): its ckpt-last is not its end" if not os.path.isfile(os.path.join(run, "done"))
+               else "no ckpt-last" if not os.path.isdir(os.path.join(run, "ckpt-last")) else None)
+        if why:
+            print(f"skipped {run}: {why}", file=sys.stderr)
             continue
         roles = role_evals(run, args.problems, cache)
+        # the end's evaluation with the run's own voters is the run's last eval.jsonl line, draw for
+        # draw (the same checkpoint, problems, seed and stream): a difference means other code
+        last = analysis.load_run(run, quiet=True)["evals"][-1]["acc"]
+        got = roles["end"][f"{roles['voters']} voters" if roles["voters"] > 1 else "one voter"]["acc"]
+        if got != last:
+            print(f"skipped {run}: its end evaluates to {got} here, its eval.jsonl says {last}", file=sys.stderr)
+            continue
         with open(os.path.join(run, ROLES + ".tmp"), "w") as f:
             json.dump(roles, f, indent=1)
         os.replace(os.path.join(run, ROLES + ".tmp"), os.path.join(run, ROLES))
