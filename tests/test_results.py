@@ -349,3 +349,29 @@ def test_the_real_study_gives_each_arms_gain_with_its_95_interval_and_keeps_tran
     assert (cells["final - base"], cells["len0 generator"], cells["step_s generator"]) == ("16.3 ± 4.7", "10.1", "61")
     assert studies.write_figure("real") == str(tmp_path / "figures" / "study-real.png")
     assert os.path.isfile(tmp_path / "figures" / "study-real-curve.png")
+
+
+def test_roles_evaluates_finished_runs_only_and_refuses_an_end_that_is_not_the_runs(tmp_path, monkeypatch, capsys):
+    """studies.py roles: a run without `done` has a ckpt-last that is not its end; and the end's
+    evaluation with the run's voters must be the run's last eval.jsonl line, or it is not written."""
+    runs = tmp_path / "runs"
+    done = finished(runs, "n8-s0", 0, [0.5, 0.4, 0.3], n_voters=8)
+    going = finished(runs, "n8-s1", 1, [0.5, 0.4], n_voters=8)
+    os.remove(os.path.join(going, "done"))
+    for r in (done, going):
+        os.makedirs(os.path.join(r, "ckpt-last"))
+    ends = iter([0.3, 0.35])      # the first call's end is the run's last line (30%), the second's is not
+
+    def fake(run, problems, cache):
+        end = next(ends)
+        return {"problems": problems, "voters": 8, "commit": "c",
+                "start": {"one voter": {"acc": 0.5}, "8 voters": {"acc": 0.5, "selection_acc": 0.5}},
+                "end": {"one voter": {"acc": 0.2}, "8 voters": {"acc": end, "selection_acc": 0.4}}}
+    monkeypatch.setattr(studies, "role_evals", fake)
+    studies.main(["roles", str(runs)])
+    assert os.path.isfile(os.path.join(done, studies.ROLES)) and not os.path.isfile(os.path.join(going, studies.ROLES))
+    assert "not finished" in capsys.readouterr().err
+    os.remove(os.path.join(done, studies.ROLES))
+    studies.main(["roles", done])
+    assert not os.path.isfile(os.path.join(done, studies.ROLES))
+    assert "its end evaluates to 0.35 here, its eval.jsonl says 0.3" in capsys.readouterr().err
