@@ -78,6 +78,9 @@ OUTCOME_RULE = ("a run learned when its peak comes after step 0 and lies at leas
                 "it; a terminal cliff is a fall after learning (the cliff step: the first evaluation of the final "
                 "stretch that stays that far below the peak), an early collapse a fall without learning; the "
                 "others did not learn or learned (and held)")
+DIP_RULE = ("a run's deepest dip is the largest fall of an evaluation below the best one before it; a run that "
+            "dipped at least D points below that running best but did not end there (no fall) collapsed mid-run "
+            "and recovered")
 TABLE_WIDTH = 120
 
 
@@ -209,7 +212,8 @@ def accuracy_summary(evals: list, cliff_drop: float = CLIFF_DROP, cliff_window: 
     out = {"n_evals": len(pts), "base_acc": None, "peak_acc": None, "peak_step": None,
            "final_acc": None, "final_step": None, "gain_final": None, "gain_peak": None,
            "tail_mean": None, "cliff_line": None, "learned": False, "fell": False, "outcome": None,
-           "cliff": False, "collapse": False, "cliff_step": None, "fall_step": None}
+           "cliff": False, "collapse": False, "cliff_step": None, "fall_step": None,
+           "dip": None, "dip_from": None, "dip_step": None, "dipped": False}
     if not pts:
         return out
     accs = [a for _, a in pts]
@@ -229,6 +233,14 @@ def accuracy_summary(evals: list, cliff_drop: float = CLIFF_DROP, cliff_window: 
     outcome = OUTCOMES[0] if learned and fell else OUTCOMES[1] if fell else OUTCOMES[3] if learned else OUTCOMES[2]
     out.update(learned=learned, fell=fell, outcome=outcome, cliff=learned and fell, collapse=fell and not learned,
                fall_step=pts[start][0] if fell else None, cliff_step=pts[start][0] if learned and fell else None)
+    best, dip = 0, (0.0, pts[0][0], pts[0][0])   # (depth, running best's step, trough's step): DIP_RULE
+    for i, (t, a) in enumerate(pts):
+        if a > accs[best]:
+            best = i
+        elif accs[best] - a > dip[0]:
+            dip = (accs[best] - a, pts[best][0], t)
+    out.update(dip=dip[0], dip_from=dip[1], dip_step=dip[2],
+               dipped=not fell and dip[0] >= cliff_drop / 100.0 - 1e-9)
     return out
 
 
@@ -423,15 +435,17 @@ def _departure(series: list, ref_end: int, far):
 
 
 def failure_signature(metrics: list, s: dict) -> list:
-    """For a run that fell: each role's signal (DEPARTS) that left where it stood up to the peak,
-    as (step, role, signal, before, after), earliest first; [] for a run that did not fall."""
-    if not s.get("fell"):
+    """For a run that fell (or dipped and recovered: DIP_RULE): each role's signal (DEPARTS) that
+    left where it stood up to the peak (the running best before the dip, and only up to the dip's
+    trough: what moved after it cannot have caused it), as (step, role, signal, before, after),
+    earliest first; [] for a run that did neither."""
+    if not (s.get("fell") or s.get("dipped")):
         return []
-    events = []
+    ref_end, events = (s["peak_step"] if s.get("fell") else s["dip_from"]) or 0, []
     for key, far in DEPARTS.items():
         for role, series in role_series(metrics, key).items():
-            d = _departure(series, s["peak_step"] or 0, far)
-            if d is not None:
+            d = _departure(series, ref_end, far)
+            if d is not None and (s.get("fell") or d[0] <= s["dip_step"]):
                 events.append((d[0], role, key, d[1], d[2]))
     return sorted(events)
 

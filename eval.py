@@ -649,7 +649,7 @@ def _parser():
     import tasks
     p = flags.Parser(
         prog="eval.py", description="Evaluate a workflow (--workflow/--task/--scale, or --checkpoint) or analyse run folders (--runs).",
-        epilog=f"Outcomes: {analysis.OUTCOME_RULE}. Both --runs and --report write PNG plots (acc.png, grad.png, "
+        epilog=f"Outcomes: {analysis.OUTCOME_RULE}. Dips: {analysis.DIP_RULE}. Both --runs and --report write PNG plots (acc.png, grad.png, "
                "length.png into each run folder; with --report also the map and per-cell figures next to the "
                "report); --no-plots writes none. Run-folder format: docs/RUNFOLDER.md.",
         formatter_class=_Help)

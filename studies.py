@@ -132,7 +132,7 @@ class Study:
 
 
 MEASURES = {"final_acc": "final accuracy", "peak_acc": "peak accuracy", "gain": "the gain (final minus step 0)",
-            "drop": "the drop from the peak"}
+            "drop": "the drop from the peak", "dip": "the deepest dip"}
 MAP_WORKFLOWS = ("voting", "eval_opt", "orch_workers")
 
 
@@ -142,7 +142,7 @@ STUDIES = {
         _workflow_arm, ["single"] + [f"{w}, {sh}" for w in MAP_WORKFLOWS for sh in ("shared", "isolated")],
         [(f"{w}, isolated", f"{w}, shared") for w in MAP_WORKFLOWS],
         roles=("generator", "aggregator", "evaluator", "orchestrator", "worker", "synthesizer"),
-        mechanisms=["len", "parse_fail"], measures=("peak_acc", "final_acc", "drop"), paired=True,
+        mechanisms=["len", "parse_fail"], measures=("peak_acc", "final_acc", "drop", "dip"), paired=True,
         gains=True, signatures=True, curve="runs",
         runs="python sweep.py --jobs 1 --tasks math --workflows voting eval_opt orch_workers single --seeds S "
              "--out runs/map -- --steps 400 --eval-every 20 --eval-problems 256 (results/lab.sh part M)"),
@@ -480,7 +480,8 @@ def run_measures(s: dict) -> dict:
     def points(a, b=None):
         return None if s[a] is None or (b and s[b] is None) else 100 * (s[a] - (s[b] if b else 0))
     return {"base_acc": points("base_acc"), "peak_acc": points("peak_acc"), "final_acc": points("final_acc"),
-            "gain": points("final_acc", "base_acc"), "drop": points("peak_acc", "final_acc")}
+            "gain": points("final_acc", "base_acc"), "drop": points("peak_acc", "final_acc"),
+            "dip": None if s.get("dip") is None else 100 * s["dip"]}
 
 
 def arm_row(st: Study, name: str, runs: list) -> dict:
@@ -491,7 +492,8 @@ def arm_row(st: Study, name: str, runs: list) -> dict:
            "outcomes": {d: analysis.outcome_counts([analysis.accuracy_summary(run["evals"], d) for run, _ in runs])
                         for d in SENSITIVITY}}
     row["by_seed"] = {unit(st, run, s): run_measures(s) for run, s in runs}
-    for m in ("base_acc", "peak_acc", "final_acc", "gain", "drop"):
+    row["dipped"] = sum(bool(s.get("dipped")) for _, s in runs)
+    for m in ("base_acc", "peak_acc", "final_acc", "gain", "drop", "dip"):
         row[m] = intervals.sample([row["by_seed"][k][m] for k in row["seeds"]])
     for key in st.mechanisms:
         for role in st.roles:
@@ -536,13 +538,16 @@ def table(study: str, rows: dict) -> str:
     # a column that is nowhere measured or everywhere 0 (a generator's parse failures) says nothing
     mech = [(k, r) for k in st.mechanisms for r in st.roles if any(row.get(f"{k}:{r}") for row in rows.values())]
     gain = "gain" in st.measures   # the arms start from different toy models: show final minus step 0
+    dip = "dip" in st.measures     # long runs: a fall that recovered is not in the outcomes
     head = ["arm", "seeds", "base", "peak", "final"] + ["final - base"] * gain + ["peak - final"] \
+        + ["deepest dip", f"dipped {SENSITIVITY[0]:g}+ and recovered"] * dip \
         + [f"cliff/collapse/flat, D={d:g}" for d in SENSITIVITY] + [f"{k} {r}" for k, r in mech]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in [a for a in st.order if a in rows] + sorted(set(rows) - set(st.order)):
         row = rows[name]
         cells = [name, _seeds_cell(row["seeds"]), _pm(row["base_acc"]), _pm(row["peak_acc"]), _pm(row["final_acc"])] \
             + [_pm(row["gain"])] * gain + [_pm(row["drop"])] \
+            + [_pm(row["dip"]), f"{row['dipped']} of {len(row['seeds'])}"] * dip \
             + [analysis.outcome_text(row["outcomes"][d], short=True) for d in SENSITIVITY] \
             + [_num(row[f"{k}:{r}"]) for k, r in mech]
         lines.append("| " + " | ".join(cells) + " |")
@@ -626,6 +631,7 @@ def report_text(study: str) -> str:
              "of training; parse_fail: at the last evaluation; share: of the step's gradient mass"
              + ("; move_cos: cosine between the role's descent direction and the shared adapter's "
                 "move, whose displacement is shown once, under the first role" if "move_cos" in st.mechanisms else "")
+             + ("; deepest dip: " + analysis.DIP_RULE + f" (D = {SENSITIVITY[0]:g})" if "dip" in st.measures else "")
              + ("; len0: tokens in the first tenth of training" if "len0" in st.mechanisms else "")
              + ("; step_s: wall seconds a training step, under the first role" if "step_s" in st.mechanisms else "")
              + ("; own_change: the run's end minus its untrained model, in points, of the generator's own accuracy "
@@ -661,11 +667,13 @@ def signature_table(study: str, groups: dict, shown: int = 3) -> str:
              "|---|---|---|---|---|"]
     for name in [a for a in st.order if a in groups]:
         for run, s in sorted(groups[name], key=lambda x: str(unit(st, *x))):
-            if not s.get("fell"):
+            if not (s.get("fell") or s.get("dipped")):
                 continue
             sig = "; ".join(f"{t}: {r} {k} {a:.3g} -> {b:.3g}" for t, r, k, a, b in s["signature"][:shown]) or "none"
-            lines.append(f"| {name} | {unit(st, run, s)} | {s['outcome']} | {s['peak_step']} -> {s['fall_step']} | {sig} |")
-    return "\n".join(lines) if len(lines) > 2 else "No run fell."
+            what, steps = (s["outcome"], f"{s['peak_step']} -> {s['fall_step']}") if s.get("fell") else (
+                f"{s['outcome']}; dipped {100 * s['dip']:.1f} points and recovered", f"{s['dip_from']} -> {s['dip_step']}")
+            lines.append(f"| {name} | {unit(st, run, s)} | {what} | {steps} | {sig} |")
+    return "\n".join(lines) if len(lines) > 2 else "No run fell or dipped."
 
 
 def roles_table(study: str, groups: dict) -> str:
@@ -800,7 +808,7 @@ def figure_values(study: str) -> tuple:
         return {a: [v for v in (value(run, s) for run, s in groups[a]) if v is not None] for a in names}
 
     labels = {"final_acc": "final accuracy (%)", "gain": "final - step 0 (points)",
-              "drop": "peak - final (points)", "peak_acc": "peak accuracy (%)"}
+              "drop": "peak - final (points)", "peak_acc": "peak accuracy (%)", "dip": "deepest dip (points)"}
     shown = ["final_acc"] + ([m for m in st.measures if m != "final_acc"] or ["peak_acc"])
     values = {labels[m]: per_seed(lambda run, s, m=m: run_measures(s)[m]) for m in shown}
     if st.panel:

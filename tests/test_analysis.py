@@ -226,6 +226,20 @@ def test_outcome_rule_on_hand_made_curves(name):
     assert s["cliff_step"] == (step if s["cliff"] else None)
 
 
+def test_the_deepest_dip_is_measured_from_the_best_evaluation_before_it():
+    """DIP_RULE: a run that falls D points below its running best and comes back dipped; a run
+    that ends down there fell instead (an outcome), and a fall from a later, lower best is
+    measured from that best."""
+    s = analysis.accuracy_summary(_curve(CURVES["mid-run dip with recovery"][0]))   # 60 at step 10, 15 at 20
+    assert (round(100 * s["dip"], 6), s["dip_from"], s["dip_step"], s["dipped"]) == (45, 10, 20, True)
+    s = analysis.accuracy_summary(_curve(CURVES["dip, recovery, then collapse"][0]))
+    assert (round(100 * s["dip"], 6), s["dip_from"], s["dip_step"], s["dipped"]) == (50, 5, 25, False)  # fell
+    s = analysis.accuracy_summary(_curve([20, 50, 42, 45, 60]))
+    assert (round(100 * s["dip"], 6), s["dipped"]) == (8, False)                     # under D = 10
+    assert analysis.accuracy_summary(_curve([20, 50, 42, 45, 60]), 8)["dipped"]      # at D = 8 it counts
+    assert analysis.accuracy_summary(_curve([50, 60, 70]))["dip"] == 0.0
+
+
 def test_outcome_counts_keep_the_kinds_apart():
     runs = [analysis.accuracy_summary(_curve(CURVES[n][0])) for n in CURVES]
     counts = analysis.outcome_counts(runs)
@@ -544,3 +558,9 @@ def test_failure_signature_names_the_role_that_changed_first():
     blip = [{"step": t, "roles": {"evaluator": {"len": 40.0 if t in (10, 11) else 3.0}}} for t in range(1, 31)]
     assert analysis.failure_signature(blip, s) == []
     assert analysis.failure_signature(metrics, analysis.accuracy_summary(_curve([40, 60, 62, 61]))) == []
+    # a run that dipped and recovered is read the same way, against where it stood up to the best before the dip
+    dipped = analysis.accuracy_summary(_curve([40, 60, 55, 20, 58, 59], every=6))
+    assert dipped["dipped"] and [(t, r, k) for t, r, k, _, _ in analysis.failure_signature(metrics, dipped)] == \
+        [(14, "evaluator", "len"), (16, "evaluator", "fallback_rate")]
+    early = analysis.accuracy_summary(_curve([40, 60, 20, 58, 59, 60], every=6))    # its trough at step 12
+    assert early["dipped"] and analysis.failure_signature(metrics, early) == []      # both moved after it

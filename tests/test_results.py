@@ -299,7 +299,7 @@ def test_the_map_pairs_isolated_with_shared_gives_each_arms_gain_and_each_falls_
     monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
     runs = tmp_path / "runs"
     curves = {("shared", 0): [0.5, 0.6, 0.7, 0.7], ("shared", 1): [0.5, 0.62, 0.66, 0.7], ("shared", 2): [0.4, 0.5, 0.6, 0.6],
-              ("isolated", 0): [0.5, 0.8, 0.3, 0.2], ("isolated", 1): [0.5, 0.7, 0.75, 0.74],
+              ("isolated", 0): [0.5, 0.8, 0.3, 0.2], ("isolated", 1): [0.5, 0.75, 0.6, 0.74],
               ("isolated", 2): [0.4, 0.6, 0.55, 0.6]}
     for (sharing, seed), accs in curves.items():
         folder = synthetic_run(runs, "eval_opt", "math", sharing, seed=seed, lr=1e-3, accs=accs, steps=30,
@@ -314,6 +314,11 @@ def test_the_map_pairs_isolated_with_shared_gives_each_arms_gain_and_each_falls_
     assert "| eval_opt, isolated | 0,1,2 |" in text and "| 1/0/0 of 3 | 1/0/0 of 3 |" in text   # seed 0: 80 -> 30, 20
     # the fallen run's row; the synthetic run's roles never change, so no signal left its place
     assert "| eval_opt, isolated | 0 | terminal cliff | 10 -> 20 | none |" in text
+    # seed 1 fell 15 points below its best at step 20 and came back: not an outcome, but a dip the page shows
+    assert "| eval_opt, isolated | 1 | learned; dipped 15.0 points and recovered | 10 -> 20 | none |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| eval_opt, isolated | 0,1,2 |"))
+    assert "| 26.7 ± 16.9 | 1 of 3 |" in row          # deepest dips 60 (its end), 15 and 5
+    assert "- the deepest dip, eval_opt, isolated minus eval_opt, shared, paired by seed" in text
     curves_ = studies.curve_values("map")
     assert list(curves_) == ["eval_opt"] and len(curves_["eval_opt"]) == 6
     assert curves_["eval_opt"][0][0] == "isolated seed 0" and curves_["eval_opt"][0][1][1] == (10, 80.0)
