@@ -228,8 +228,7 @@ def test_outcome_rule_on_hand_made_curves(name):
 
 def test_the_deepest_dip_is_measured_from_the_best_evaluation_before_it():
     """DIP_RULE: a run that falls D points below its running best and comes back dipped; a run
-    that ends down there fell instead (an outcome), and a fall from a later, lower best is
-    measured from that best."""
+    that ends down there fell instead (an outcome); a fall under D is measured but not counted."""
     s = analysis.accuracy_summary(_curve(CURVES["mid-run dip with recovery"][0]))   # 60 at step 10, 15 at 20
     assert (round(100 * s["dip"], 6), s["dip_from"], s["dip_step"], s["dipped"]) == (45, 10, 20, True)
     s = analysis.accuracy_summary(_curve(CURVES["dip, recovery, then collapse"][0]))
