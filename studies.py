@@ -692,7 +692,22 @@ def roles_table(study: str, groups: dict) -> str:
                          f"{pct(r['start']['one voter']['acc'])} -> {pct(r['end']['one voter']['acc'])} | "
                          f"{pct(r['start'][many]['selection_acc'])} -> {pct(r['end'][many]['selection_acc'])} "
                          f"({pct(r['end'][many]['oracle_rate'])}) |")
-    return "\n".join(lines) if len(lines) > 2 else "No run has been evaluated role by role yet (studies.py roles)."
+    if len(lines) == 2:
+        return "No run has been evaluated role by role yet (studies.py roles)."
+    return "\n".join(lines + [""] + role_lines(study, groups))
+
+
+def role_lines(study: str, groups: dict) -> list:
+    """Per arm, each role's end minus its untrained model (role_change) over the arm's runs
+    evaluated role by role: the mean with its interval, and on how many runs it fell."""
+    st, out = STUDIES[study], []
+    for name in [a for a in st.order if a in groups]:
+        for role, what in (("generator", "the generator alone"), ("aggregator", "the aggregator's selection")):
+            xs = [x for x in (role_change(run.get("roles"), role) for run, _ in groups[name]) if x is not None]
+            if xs:
+                out.append(f"- {what}, {name}, end minus untrained, in points: {intervals.sample(xs).text()}; "
+                           f"lower on {sum(x < 0 for x in xs)} of {len(xs)} runs")
+    return out
 
 
 def write_block(study: str, text: str, page: str = PAGE) -> None:

@@ -277,7 +277,7 @@ def test_voterfall_borrows_credits_arms_and_shows_each_runs_roles(tmp_path, monk
         studies.keep("credit", finished(runs / "d", f"n2-s{seed}", seed, [0.5, 0.55, 0.6, 0.6], n_voters=2))
         d = finished(runs / "d", f"n8-s{seed}", seed, [0.5, 0.4, 0.3, 0.3], n_voters=8, mini_batch=128)
         with open(os.path.join(d, studies.ROLES), "w") as f:
-            json.dump(_roles(0.5, 0.25, 0.8, 0.75), f)
+            json.dump(_roles(0.5, 0.25 + 0.05 * seed, 0.8, 0.75), f)
         studies.keep("credit", d)
         studies.keep("voterfall", finished(runs / "e", f"n8b-s{seed}", seed, [0.5, 0.5, 0.45 + 0.01 * seed, 0.5],
                                            n_voters=8, mini_batch=1024))
@@ -287,7 +287,10 @@ def test_voterfall_borrows_credits_arms_and_shows_each_runs_roles(tmp_path, monk
     assert text.startswith("3 runs in results/voterfall/ and 6 of results/credit/ (the arms they share)")
     assert "| N=8, final, 8 steps | (0, 0) | 50.0 -> 30.0 | 50.0 -> 25.0 | 80.0 -> 75.0 (90.0) |" in text
     row = next(x for x in text.splitlines() if x.startswith("| N=8, final, 8 steps | m0: 0,1,2 |"))
-    assert row.endswith("| -25 | -5 |")          # own_change: generator alone -25 points, selection -5
+    assert row.endswith("| -20 | -5 |")          # own_change: generator alone -25, -20, -15 points, selection -5
+    # each role's change with its t interval: sd 5 over 3 runs, SE 2.89, t(0.975, 2) = 4.303
+    assert ("- the generator alone, N=8, final, 8 steps, end minus untrained, in points: -20.0 ± 2.9 "
+            "(95% CI [-32.4, -7.6], n = 3, df 2); lower on 3 of 3 runs") in text
     assert "- final accuracy, N=8, final, 1 step minus N=1, paired by model and seed" in text
     other = finished(runs / "e", "n8b-other", 3, [0.5, 0.5, 0.5], n_voters=8, mini_batch=1024,
                      provenance={**ORIGIN, "commit": "c" * 40})
