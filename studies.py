@@ -520,11 +520,17 @@ def contrast(st: Study, rows: dict, a: str, b: str, measure: str = "final_acc"):
 # ----------------------------------------------------------------------------- the page
 
 def _pm(e, digits: int = 1) -> str:
-    """A table cell: mean ± standard error from 3 units on; 2 units give no error (n=2)."""
+    """A table cell: mean ± standard error from 3 units on; 2 units give no error (n=2). Units
+    that all agree give no error either ("all n equal", not "± 0.0"), and an error too small to
+    print is written as a bound ("± <0.1")."""
     if e is None:
         return "-"
     if e.se is None or e.n < 3:
         return f"{e.mean:.{digits}f}" + (" (n=2)" if e.n == 2 else " (1 run)" if e.n == 1 else "")
+    if e.se == 0:
+        return f"{e.mean:.{digits}f} (all {e.n} equal)"
+    if round(e.se, digits) == 0:
+        return f"{e.mean:.{digits}f} ± <{10 ** -digits:.{digits}f}"
     return f"{e.mean:.{digits}f} ± {e.se:.{digits}f}"
 
 

@@ -383,3 +383,12 @@ def test_roles_evaluates_finished_runs_only_and_refuses_an_end_that_is_not_the_r
     studies.main(["roles", done])
     assert not os.path.isfile(os.path.join(done, studies.ROLES))
     assert "its end evaluates to 0.35 here, its eval.jsonl says 0.3" in capsys.readouterr().err
+
+
+def test_a_table_cell_never_prints_a_zero_error():
+    """Units that all agree have no spread to report: the cell says so rather than '± 0.0';
+    an error that rounds to 0 is printed as a bound."""
+    assert studies._pm(intervals.sample([0.0, 0.0, 0.0, 0.0])) == "0.0 (all 4 equal)"
+    assert studies._pm(intervals.sample([1.0, 1.02, 1.04])) == "1.0 ± <0.1"
+    assert studies._pm(intervals.sample([1.0, 2.0, 3.0])) == "2.0 ± 0.6"
+    assert studies._pm(intervals.sample([1.0, 3.0])) == "2.0 (n=2)"
