@@ -126,6 +126,8 @@ class Estimate:
         c = self.ci()
         if c is None:
             return f"{self.mean:{f}} ({n}, no error)"
+        if self.se == 0:
+            return f"{self.mean:{f}} ({n}, all equal: no spread to give an interval)"
         df = f"{self.df:.0f}" if abs(self.df - round(self.df)) < 0.05 else f"{self.df:.1f}"
         return f"{self.mean:{f}} ± {self.se:.{digits}f} (95% CI [{c[0]:{f}}, {c[1]:{f}}], {n}, df {df})"
 

@@ -197,7 +197,7 @@ def test_arms_contrasts_and_the_table(tmp_path, monkeypatch):
     # terminal cliff at D=10, none at D=20; N=8 ends 30, 20 and 19 below: 3 cliffs at D=10, 2 at D=20
     assert "| N=8, equal steps | 0,1 | 50.0 (n=2) | 60.0 (n=2) | 47.0 (n=2) | 13.0 (n=2) | 2/0/0 of 2 | 0/0/0 of 2 |" \
         in text
-    assert "| N=8 | 0,1,2 | 50.0 ± 0.0 | 60.0 ± 0.0 | 37.0 ± 3.5 | 23.0 ± 3.5 | 3/0/0 of 3 | 2/0/0 of 3 |" in text
+    assert "| N=8 | 0,1,2 | 50.0 (all 3 equal) | 60.0 (all 3 equal) | 37.0 ± 3.5 | 23.0 ± 3.5 | 3/0/0 of 3 | 2/0/0 of 3 |" in text
     assert text.index("| N=1 |") < text.index("| N=8 |") < text.index("| N=8, equal steps |")   # the study's order
     assert "8 runs in results/amplification/, from commit aaaaaaa and toy model bbbbbbbbbbbb" in text
 
@@ -313,7 +313,7 @@ def test_the_map_pairs_isolated_with_shared_gives_each_arms_gain_and_each_falls_
     text = studies.report_text("map")
     # peak, paired by seed: 80 - 70, 75 - 70, 60 - 60 = +10, +5, 0
     assert "- peak accuracy, eval_opt, isolated minus eval_opt, shared, paired by seed, in points: +5.0 ± 2.9" in text
-    assert "- gain over step 0, eval_opt, shared, in points: final +20.0 ± 0.0" in text     # 20, 20, 20
+    assert "- gain over step 0, eval_opt, shared, in points: final +20.0 (n = 3, all equal: no spread to give an interval)" in text     # 20, 20, 20
     assert "| eval_opt, isolated | 0,1,2 |" in text and "| 1/0/0 of 3 | 1/0/0 of 3 |" in text   # seed 0: 80 -> 30, 20
     # the fallen run's row; the synthetic run's roles never change, so no signal left its place
     assert "| eval_opt, isolated | 0 | terminal cliff | 10 -> 20 | none |" in text
