@@ -34,6 +34,16 @@ def test_paired_is_the_one_sample_estimate_of_the_differences_over_shared_units(
     assert e.verdict() == "the interval holds 0: not told apart (an effect up to 4.5 points could hide)"
 
 
+def test_units_that_all_agree_give_no_interval_and_no_verdict_of_a_difference():
+    # three seeds that each differ by exactly +20: the t interval has zero width, which is not
+    # evidence that the arms differ, only that these units did not vary
+    e = I.paired({0: 30.0, 1: 40.0, 2: 50.0}, {0: 10.0, 1: 20.0, 2: 30.0})
+    assert (e.mean, e.se) == (20.0, 0.0)
+    assert e.text() == "+20.0 (n = 3, all equal: no spread to give an interval)"
+    assert e.verdict() == "every unit gives the same +20.0 points: no spread to give an interval, so not told apart by one"
+    assert "differ" not in I.sample([0.0, 0.0, 0.0]).verdict()
+
+
 def test_welch_uses_each_arms_own_variance_and_satterthwaite_df():
     e = I.welch([1.0, 2.0, 3.0], [4.0, 5.0, 7.0, 9.0])
     # var(a)/3 = 1/3, var(b)/4 = (59/12)/4 = 59/48; se = sqrt(75/48) = 1.25;
