@@ -137,8 +137,7 @@ class Estimate:
         if c is None:
             return "too few units for an interval: not told apart"
         if self.se == 0:   # a zero-width interval is not evidence of a difference
-            return (f"every unit gives the same {self.mean:+.1f} {unit}: no spread to give an interval, "
-                    "so not told apart by one")
+            return f"{self.mean:+.1f} {unit} with no spread among the units: no interval, so not told apart by one"
         if self.excludes_zero():
             return "the interval excludes 0: the arms differ"
         return f"the interval holds 0: not told apart (an effect up to {max(abs(c[0]), abs(c[1])):.1f} {unit} could hide)"

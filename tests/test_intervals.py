@@ -40,8 +40,10 @@ def test_units_that_all_agree_give_no_interval_and_no_verdict_of_a_difference():
     e = I.paired({0: 30.0, 1: 40.0, 2: 50.0}, {0: 10.0, 1: 20.0, 2: 30.0})
     assert (e.mean, e.se) == (20.0, 0.0)
     assert e.text() == "+20.0 (n = 3, all equal: no spread to give an interval)"
-    assert e.verdict() == "every unit gives the same +20.0 points: no spread to give an interval, so not told apart by one"
+    assert e.verdict() == "+20.0 points with no spread among the units: no interval, so not told apart by one"
     assert "differ" not in I.sample([0.0, 0.0, 0.0]).verdict()
+    # two arms that are each constant: the same, unpaired
+    assert I.welch([1.0, 1.0, 1.0], [2.0, 2.0, 2.0]).verdict().startswith("-1.0 points with no spread")
 
 
 def test_welch_uses_each_arms_own_variance_and_satterthwaite_df():
