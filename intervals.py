@@ -111,8 +111,10 @@ class Estimate:
         return self.mean - h, self.mean + h
 
     def excludes_zero(self) -> bool | None:
+        """None where there is no interval to judge: no error, too few units, or units that all
+        agree (a zero-width interval is no evidence of a difference)."""
         c = self.ci()
-        return None if c is None else (c[0] > 0 or c[1] < 0)
+        return None if c is None or self.se == 0 else (c[0] > 0 or c[1] < 0)
 
     def text(self, digits: int = 1, sign: bool = True) -> str:
         f = f"{'+' if sign else ''}.{digits}f"
@@ -136,7 +138,7 @@ class Estimate:
         c = self.ci()
         if c is None:
             return "too few units for an interval: not told apart"
-        if self.se == 0:   # a zero-width interval is not evidence of a difference
+        if self.se == 0:
             return f"{self.mean:+.1f} {unit} with no spread among the units: no interval, so not told apart by one"
         if self.excludes_zero():
             return "the interval excludes 0: the arms differ"

@@ -38,7 +38,7 @@ def test_units_that_all_agree_give_no_interval_and_no_verdict_of_a_difference():
     # three seeds that each differ by exactly +20: the t interval has zero width, which is not
     # evidence that the arms differ, only that these units did not vary
     e = I.paired({0: 30.0, 1: 40.0, 2: 50.0}, {0: 10.0, 1: 20.0, 2: 30.0})
-    assert (e.mean, e.se) == (20.0, 0.0)
+    assert (e.mean, e.se) == (20.0, 0.0) and e.excludes_zero() is None
     assert e.text() == "+20.0 (n = 3, all equal: no spread to give an interval)"
     assert e.verdict() == "+20.0 points with no spread among the units: no interval, so not told apart by one"
     assert "differ" not in I.sample([0.0, 0.0, 0.0]).verdict()
