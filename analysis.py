@@ -72,6 +72,7 @@ import workflows  # torch-free: the registry of workflows, roles and role kinds
 CLIFF_DROP = 10.0      # D: points below the peak that an end must lie to count as a fall
 CLIFF_WINDOW = 2       # last evaluations that must all be that far below it
 LEARN_MARGIN = 10.0    # M: points above step 0 that a later peak must reach to count as learned
+END_EVALS = 3          # evaluations a run's end (end_acc) is the mean of
 OUTCOMES = ("terminal cliff", "early collapse", "did not learn", "learned")
 OUTCOME_RULE = ("a run learned when its peak comes after step 0 and lies at least M points above step 0, and "
                 "fell when its last N evaluations all come after its peak and all lie at least D points below "
@@ -205,13 +206,14 @@ def accuracy_summary(evals: list, cliff_drop: float = CLIFF_DROP, cliff_window: 
     """Base, peak, final accuracy, gains and the run's outcome (OUTCOME_RULE).
 
     `evals` are eval.jsonl records sorted by step; `cliff_drop` and `learn_margin` are in
-    percentage points. tail_mean is the mean of the last `cliff_window` evaluations. `cliff` is
+    percentage points. tail_mean is the mean of the last `cliff_window` evaluations, end_acc of
+    the last END_EVALS (a run's end read off more than one noisy evaluation). `cliff` is
     a terminal cliff, `collapse` an early collapse; `fall_step` is where either's final stretch
     begins, `cliff_step` the same for a terminal cliff only."""
     pts = [(r["step"], float(r["acc"])) for r in evals if is_num(r.get("acc"))]
     out = {"n_evals": len(pts), "base_acc": None, "peak_acc": None, "peak_step": None,
            "final_acc": None, "final_step": None, "gain_final": None, "gain_peak": None,
-           "tail_mean": None, "cliff_line": None, "learned": False, "fell": False, "outcome": None,
+           "tail_mean": None, "end_acc": None, "cliff_line": None, "learned": False, "fell": False, "outcome": None,
            "cliff": False, "collapse": False, "cliff_step": None, "fall_step": None,
            "dip": None, "dip_from": None, "dip_step": None, "dipped": False}
     if not pts:
@@ -225,6 +227,7 @@ def accuracy_summary(evals: list, cliff_drop: float = CLIFF_DROP, cliff_window: 
         out.update(gain_final=accs[-1] - base, gain_peak=accs[peak_i] - base)
     w = min(cliff_window, len(pts))
     out["tail_mean"] = sum(accs[-w:]) / w
+    out["end_acc"] = sum(accs[-END_EVALS:]) / len(accs[-END_EVALS:])
     out["cliff_line"] = accs[peak_i] - cliff_drop / 100.0
     # 1e-9: 0.5 - 0.4 is 0.0999..., which must count as a drop of 10 points
     start = _cliff_start(accs, peak_i, out["cliff_line"] + 1e-9)
@@ -240,7 +243,8 @@ def accuracy_summary(evals: list, cliff_drop: float = CLIFF_DROP, cliff_window: 
         elif accs[best] - a > dip[0]:
             dip = (accs[best] - a, pts[best][0], t)
     out.update(dip=dip[0], dip_from=dip[1], dip_step=dip[2],
-               dipped=not fell and dip[0] >= cliff_drop / 100.0 - 1e-9)
+               # a trough at the last evaluation has not recovered: one low reading, below the fall's window
+               dipped=not fell and dip[0] >= cliff_drop / 100.0 - 1e-9 and dip[2] != pts[-1][0])
     return out
 
 
@@ -278,6 +282,63 @@ def keyed_series(records: list, key: str) -> dict:
         for role, v in (d.items() if isinstance(d, dict) else ()):
             if is_num(v):
                 out[role].append((rec["step"], float(v)))
+    return dict(out)
+
+
+def _ratio(a, b):
+    return a / b if is_num(a) and is_num(b) and b else None
+
+
+def eval_rates(rec: dict) -> dict:
+    """The rates behind one evaluation's counts (eval.jsonl's cut, graded_cut, uncut_correct and
+    skill; each None where the record does not log it, as in runs made before they were logged):
+    - cut: {role: share of its calls cut at the length cap}; uncut_acc: accuracy among the
+      episodes whose graded answer the cap left whole;
+    - the aggregator's picks ("picked": its pick right), against a uniformly random pick among
+      the same candidates ("random"), the majority vote by the task's key ("majority") and the
+      oracle, some candidate right ("oracle");
+    - the evaluator's verdicts against the grade of the attempt each judged: "verdict accuracy",
+      "false accept" (Correct on a wrong attempt, of the wrong ones), "false reject" (Incorrect
+      on a right one, of the right ones), over the calls that gave a verdict."""
+    calls, a, e = rec.get("calls") or {}, (rec.get("skill") or {}).get("aggregator"), (rec.get("skill") or {}).get("evaluator")
+    cut = rec.get("cut")
+    out = {"cut": {r: _ratio((cut or {}).get(r, 0), c) for r, c in calls.items()} if isinstance(cut, dict) else None,
+           "uncut_acc": _ratio(rec.get("uncut_correct"), (rec.get("n") or 0) - (rec.get("graded_cut") or 0))
+           if "uncut_correct" in rec else None}
+    a = a or {}
+    out.update({"picked": _ratio(a.get("picked"), a.get("resolved")), "random": _ratio(a.get("right_candidates"),
+                a.get("candidates")), "majority": _ratio(a.get("majority"), a.get("resolved")),
+                "oracle": _ratio(a.get("with_correct"), a.get("resolved"))})
+    e = e or {}
+    tp, fp, fn, tn = (e.get(k) for k in ("tp", "fp", "fn", "tn"))
+    out.update({"verdict accuracy": _ratio((tp or 0) + (tn or 0), sum(x or 0 for x in (tp, fp, fn, tn))) if e else None,
+                "false accept": _ratio(fp, (fp or 0) + (tn or 0)) if e else None,
+                "false reject": _ratio(fn, (fn or 0) + (tp or 0)) if e else None})
+    return out
+
+
+SKILL = {"aggregator": ("picked", "random", "majority", "oracle"),
+         "evaluator": ("verdict accuracy", "false accept", "false reject")}
+
+
+def skill_series(evals: list) -> dict:
+    """{"aggregator" | "evaluator": {measure: [(step, rate)]}} over a run's evaluations (eval_rates);
+    a supervisor absent, or not logged, has no entry."""
+    out = {}
+    for who, keys in SKILL.items():
+        series = {k: [(r["step"], v) for r in evals if (v := eval_rates(r)[k]) is not None] for k in keys}
+        if any(series.values()):
+            out[who] = {k: v for k, v in series.items() if v}
+    return out
+
+
+def cut_series(evals: list) -> dict:
+    """{role: [(step, share of its calls cut at the length cap)]} where the evaluations log it."""
+    out = defaultdict(list)
+    for rec in evals:
+        for role, v in (eval_rates(rec)["cut"] or {}).items():
+            if v is not None:
+                out[role].append((rec["step"], v))
     return dict(out)
 
 

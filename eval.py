@@ -48,11 +48,12 @@ Analyse the run folders train.py writes:
   report) write, none with --no-plots.
 """
 import argparse
+import dataclasses
 import functools
 import json
 import os
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import flags      # one-line errors as train.py's, and the workflows' parameter flags
 import taskkinds  # torch-free: the registry of task kinds
@@ -163,7 +164,8 @@ def _role_outputs(episodes: list) -> dict:
 
 def _evaluator_quality(episodes: list, correct, parse_verdict) -> dict | None:
     """Each verdict against the generator turn just before it; no verdict counts only in
-    verdict_rate."""
+    verdict_rate. A "Correct" on a wrong attempt is a false accept, an "Incorrect" on a right
+    one a false reject; the rates are over the wrong and the right attempts that got a verdict."""
     c = {"calls": 0, "verdicts": 0, "tp": 0, "fp": 0, "fn": 0, "tn": 0}
     for ep in episodes:
         last_gen = None
@@ -186,6 +188,7 @@ def _evaluator_quality(episodes: list, correct, parse_verdict) -> dict | None:
     return {"calls": c["calls"], "verdict_rate": _div(c["verdicts"], c["calls"]),
             "precision": _div(c["tp"], c["tp"] + c["fp"]), "recall": _div(c["tp"], c["tp"] + c["fn"]),
             "accuracy": _div(c["tp"] + c["tn"], c["verdicts"]),
+            "false_accept": _div(c["fp"], c["fp"] + c["tn"]), "false_reject": _div(c["fn"], c["fn"] + c["tp"]),
             "confusion": {k: c[k] for k in ("tp", "fp", "fn", "tn")}}
 
 
@@ -199,8 +202,20 @@ def _chosen(ep, call, candidates, parse_choice):
     return None
 
 
-def _aggregator_quality(episodes: list, correct, parse_choice) -> dict | None:
-    c = {"calls": 0, "with_correct": 0, "picked_given_any": 0, "picked": 0, "resolved": 0}
+def _majority(candidates: list, key) -> int:
+    """Index of the plurality answer among `candidates` (texts with one task key get one grade),
+    ties going to the answer that came first, as the aggregator's own fallback takes voter 1."""
+    counts = Counter(key(t) for t in candidates)
+    top = max(counts.values())
+    return next(i for i, t in enumerate(candidates) if counts[key(t)] == top)
+
+
+def _aggregator_quality(episodes: list, correct, parse_choice, key) -> dict | None:
+    """The aggregator's pick against three references over the same candidates: a uniformly
+    random pick (right with the share of candidates that are right: `random_pick_acc` sums the
+    right candidates over all candidates, which is that expectation when every call has as many,
+    as in Voting), the majority vote by the task's key, and the oracle (some candidate right)."""
+    c = Counter()
     for ep in episodes:
         candidates = []
         for call in ep.calls:
@@ -210,12 +225,16 @@ def _aggregator_quality(episodes: list, correct, parse_choice) -> dict | None:
                 continue
             c["calls"] += 1
             chosen = _chosen(ep, call, candidates, parse_choice)
-            if chosen is None:
+            if chosen is None or not candidates:
                 continue
             c["resolved"] += 1
+            right = [correct(ep, t) for t in candidates]
             picked = correct(ep, chosen)
             c["picked"] += picked
-            if any(correct(ep, t) for t in candidates):
+            c["right_candidates"] += sum(right)
+            c["candidates"] += len(right)
+            c["majority"] += right[_majority(candidates, lambda t: key(t, ep.problem))]
+            if any(right):
                 c["with_correct"] += 1
                 c["picked_given_any"] += picked
     if not c["calls"]:
@@ -223,7 +242,11 @@ def _aggregator_quality(episodes: list, correct, parse_choice) -> dict | None:
     return {"calls": c["calls"], "resolved": c["resolved"],
             "selection_acc": _div(c["picked_given_any"], c["with_correct"]),
             "oracle_rate": _div(c["with_correct"], c["resolved"]),
-            "picked_correct_rate": _div(c["picked"], c["resolved"])}
+            "picked_correct_rate": _div(c["picked"], c["resolved"]),
+            "random_pick_acc": _div(c["right_candidates"], c["candidates"]),
+            "majority_acc": _div(c["majority"], c["resolved"]),
+            "counts": {k: c[k] for k in ("resolved", "picked", "majority", "with_correct", "right_candidates",
+                                         "candidates")}}
 
 
 def _strategies(ep, i, parse_strategies) -> int:
@@ -257,7 +280,8 @@ def role_quality(episodes: list, task: str, scored: dict | None = None) -> dict:
     correct = _scorer(episodes, task, scored or {})
     out = {"roles": _role_outputs(episodes), "notes": notes}
     for name, section in (("evaluator", _evaluator_quality(episodes, correct, parse_verdict)),
-                          ("aggregator", _aggregator_quality(episodes, correct, parse_choice)),
+                          ("aggregator", _aggregator_quality(episodes, correct, parse_choice,
+                                                             taskkinds.get(task).key)),
                           ("orchestrator", _orchestrator_quality(episodes, parse_strategies))):
         if section is not None:
             out[name] = section
@@ -279,7 +303,8 @@ def evaluate(llm, workflow: str, problems: list, task: str, samples: int = 1, ba
     """Run `workflow` with `llm` on every problem `samples` times, score, and measure.
 
     Returns {"workflow", "task", "problems", "samples", "episodes", "pass@k": {k: mean over
-    problems}, "quality": role_quality(...)}; "pass@1" is the mean per-problem fraction correct."""
+    problems}, "quality": role_quality(...), "cut": cut_counts(...)}; "pass@1" is the mean
+    per-problem fraction correct."""
     import rollout
     from tqdm import tqdm
 
@@ -298,13 +323,42 @@ def evaluate(llm, workflow: str, problems: list, task: str, samples: int = 1, ba
     known = {(e.problem_id, e.final_text): e.reward for e in episodes}
     return {"workflow": workflow, "task": task, "problems": len({e.problem_id for e in episodes}),
             "samples": samples, "episodes": len(episodes), "pass@k": _pass_at_ks(episodes, samples),
-            "quality": role_quality(episodes, task, scored=known)}
+            "quality": role_quality(episodes, task, scored=known), "cut": cut_counts(episodes)}
+
+
+def _graded_call(ep):
+    """The call whose text the episode graded (the last with that text), or None."""
+    return next((c for c in reversed(ep.calls) if c.text == ep.final_text), None)
+
+
+def cut_counts(episodes: list) -> dict:
+    """What the length cap cut, as whole numbers: {"cut": {role: calls cut before a stop token},
+    "graded_cut": episodes whose graded answer was cut, "uncut_correct": right episodes among
+    the others}. Rates: cut / calls, and uncut_correct / (n - graded_cut) is the accuracy among
+    the answers the cap left whole."""
+    cut = Counter(c.role for ep in episodes for c in ep.calls if not c.finished)
+    graded_cut = [not getattr(_graded_call(ep), "finished", True) for ep in episodes]
+    return {"cut": dict(sorted(cut.items())), "graded_cut": sum(graded_cut),
+            "uncut_correct": sum(ep.reward > 0.5 for ep, g in zip(episodes, graded_cut) if not g)}
+
+
+def _skill(quality: dict) -> dict:
+    """The supervisors' skill as whole numbers (eval.jsonl's `skill`; RUNFOLDER.md gives the rates)."""
+    out = {}
+    if "aggregator" in quality:
+        out["aggregator"] = dict(sorted(quality["aggregator"]["counts"].items()))
+    if "evaluator" in quality:
+        e = quality["evaluator"]
+        out["evaluator"] = dict(sorted({"calls": e["calls"], **e["confusion"]}.items()))
+    return out   # keys sorted at every level, as merge_records writes them: 1 and N ranks give the same bytes
 
 
 def eval_record(llm, workflow: str, problems: list, task: str, step: int, batch_size: int = 16,
                 progress: bool = True, **wf_params) -> dict:
     """The eval.jsonl record of a training run's evaluation at `step`: pass@1 on the held-out
-    problems, with per-role parse-failure rate, mean length, code-block rate and calls."""
+    problems, with per-role parse-failure rate, mean length, code-block rate and calls; what
+    the length cap cut (cut_counts); and, where the workflow has one, the aggregator's picks
+    against a random pick, the majority and the oracle, and the evaluator's verdicts (`skill`)."""
     res = evaluate(llm, workflow, problems, task, samples=1, batch_size=batch_size, progress=progress,
                    stream=("eval", step), **wf_params)
     roles = res["quality"]["roles"]
@@ -312,13 +366,24 @@ def eval_record(llm, workflow: str, problems: list, task: str, step: int, batch_
             "parse_fail": {r: q.get("fallbacks_per_call", 0.0) for r, q in roles.items()},
             "len": {r: q.get("len_tokens", q.get("len_chars")) for r, q in roles.items()},
             "code_block_rate": {r: q.get("code_block_rate", 0.0) for r, q in roles.items()},
-            "calls": {r: q.get("calls", 0) for r, q in roles.items()}}
+            "calls": {r: q.get("calls", 0) for r, q in roles.items()},
+            **res["cut"], "skill": _skill(res["quality"])}
+
+
+def _sum_counts(dicts: list) -> dict:
+    """Nested dicts of whole numbers, summed key by key."""
+    out = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = _sum_counts([out.get(k, {}), v]) if isinstance(v, dict) else out.get(k, 0) + v
+    return dict(sorted(out.items()))
 
 
 def merge_records(recs: list) -> dict:
     """One evaluation record from every rank's share, the same to the last bit as one process
     would have written: each rate times its count is a whole number (correct problems, parse
-    failures, tokens, code blocks), so the shares are summed as integers and divided once."""
+    failures, tokens, code blocks), so the shares are summed as integers and divided once; the
+    counts (cut, skill) are summed as they are."""
     recs = [r for r in recs if r]
     n = sum(r["n"] for r in recs)
     calls = {}
@@ -330,6 +395,10 @@ def merge_records(recs: list) -> dict:
         out[key] = {role: sum(round((r[key].get(role) or 0.0) * r["calls"].get(role, 0)) for r in recs) / c
                     for role, c in sorted(calls.items()) if c}
     out["calls"] = dict(sorted(calls.items()))
+    for key in ("cut", "graded_cut", "uncut_correct", "skill"):
+        if key in recs[0]:
+            out[key] = (_sum_counts([r[key] for r in recs]) if isinstance(recs[0][key], dict)
+                        else sum(r[key] for r in recs))
     return out
 
 
@@ -458,6 +527,19 @@ def load_problems(data: str, kind: str, n: int | None, seed: int) -> tuple:
     return tasks.load_task(data, "test", n, seed), None
 
 
+def reword_generator(task: str, text: str, scale: str) -> str:
+    """Register `task` again with `text` as its generator's instruction, in this process only
+    (register_task's replace=True, so the phrase rules hold); a note saying so."""
+    if scale == "toy":
+        raise ValueError("--instruction needs a real model: the toy model knows the built-in phrases alone")
+    kind = taskkinds.get(task)
+    options = {f.name: getattr(kind, f.name) for f in dataclasses.fields(kind)
+               if f.name not in ("name", "reward", "instructions", "default", "check")}
+    taskkinds.register_task(task, kind.reward, {**kind.instructions, "generator": text}, kind.default, kind.check,
+                            replace=True, **options)
+    return f"--instruction: the generator's instruction on {task} is {text!r} for this evaluation"
+
+
 def _llm_from_settings(args, st: dict, kind: str):
     import engine
     import policies
@@ -510,6 +592,8 @@ def _evaluate_cli(args):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         st, notes = resolve_settings(args)
+        if args.instruction is not None:
+            notes.append(reword_generator(st["task"], args.instruction, st["scale"]))
         workflows.check_run(st["workflow"], st["task"], st["params"])   # before the model loads, as train.py's flags
         if st["scale"] == "toy":
             tasks.check_toy_data("--data", st["data"])
@@ -525,7 +609,7 @@ def _evaluate_cli(args):
     res = evaluate(llm, st["workflow"], problems, st["task"], samples=args.samples, batch_size=st["batch_size"],
                    progress=not (args.json or args.quiet), stream=st["stream"], **st["params"])
     res.update(scale=st["scale"], checkpoint=st["checkpoint"], data=st["data"], temperature=args.temperature,
-               seed=st["seed"], stream=list(st["stream"]),
+               seed=st["seed"], stream=list(st["stream"]), instruction=args.instruction,
                sharing=st["sharing"], isolation=st["isolation"], max_new_tokens=st["max_new_tokens"],
                max_prompt_tokens=st["max_prompt_tokens"])
     if args.json:
@@ -695,6 +779,9 @@ def _parser():
     e.add_argument("--max-embed-tokens", type=int, default=None,
                    help="tokens kept of a solution embedded in a later prompt (default: the checkpoint run's, "
                    "else none at --scale toy, else tasks.MAX_EMBED_TOKENS)")
+    e.add_argument("--instruction", default=None, metavar="TEXT", help="the generator's instruction on the task "
+                   "for this evaluation instead of the task kind's (a base rate under another wording, e.g. asking "
+                   "for the answer alone; real models only, as the toy model knows its own phrases alone)")
     e.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     e.add_argument("--seed", type=int, default=None, help="seed of the sampler's draws (default: the checkpoint run's "
                    "--seed, so that a checkpoint scores as its run's evaluation did, else 0); --problems N draws its "

@@ -15,12 +15,14 @@ Into each run folder (plot_run):
 - acc.png: evaluation accuracy with the base (dotted), the peak (star), the run's outcome in
   the title (analysis.OUTCOME_RULE), and for a fall the line D points below the peak, the fall's
   step (dashed) and the stretch after it: red for a terminal cliff, grey for an early
-  collapse; the training reward in its own panel.
+  collapse; the training reward in its own panel; where the evaluations log them, the
+  aggregator's picks against a random pick, the majority vote and the oracle, and the
+  evaluator's verdict accuracy with its false accepts and rejects (analysis.eval_rates).
 - grad.png: per-role gradient norm (per optimizer step when logged; log scale), gradient-mass
   share, slot coherence, and the coherence damping's scale (solid) and cosine (dashed); the
   cliff step marked.
-- length.png: per-role length in tokens; the code-block and parse-fail rates of each
-  evaluation when any is non-zero.
+- length.png: per-role length in tokens; the code-block, parse-fail and cut-at-the-cap rates
+  of each evaluation when any is non-zero.
 A PNG left by an earlier analysis that now has nothing to show is removed.
 
 Next to a report at REPORT_DIR/STEM.md, into REPORT_DIR/STEM-figures/ (plot_runs):
@@ -43,8 +45,9 @@ from collections import defaultdict
 
 import workflows  # torch-free: the registry, for the colours of roles a fork adds
 
-from analysis import (CELL_KEYS, CLIFF_DROP, CLIFF_WINDOW, analyse_run, cell_key, cell_order, cells, grad_key, is_num,
-                      keyed_series, load_run, lr_label, role_series, scale_label, sharing_order)
+from analysis import (CELL_KEYS, CLIFF_DROP, CLIFF_WINDOW, analyse_run, cell_key, cell_order, cells, cut_series,
+                      grad_key, is_num, keyed_series, load_run, lr_label, role_series, scale_label, sharing_order,
+                      skill_series)
 
 PLOT_NAMES = ("acc.png", "grad.png", "length.png")
 # one colour per role in every plot, so a reader can follow a role from plot to plot
@@ -136,8 +139,10 @@ def _draw_accuracy(Figure, run: dict, s: dict):
     if not pts:
         return None
     rew = [(r["step"], 100 * r["reward"]) for r in run["metrics"] if is_num(r.get("reward"))]
+    skill = skill_series(run["evals"])
     title = cell_title(s) + (f": {s['outcome']}" if s.get("outcome") else "") + ("" if s["finished"] else " (unfinished)")
-    fig, axes = _panels(Figure, 2 if rew else 1, title, ratios=[2.2, 1] if rew else None)
+    ratios = [2.2] + [1] * bool(rew) + [1.4] * len(skill)
+    fig, axes = _panels(Figure, len(ratios), title, ratios=ratios if len(ratios) > 1 else None)
     ax = axes[0]
     ax.plot(*zip(*pts), marker="o", ms=3, color="black", label="eval accuracy")
     if s["base_acc"] is not None:
@@ -155,8 +160,27 @@ def _draw_accuracy(Figure, run: dict, s: dict):
         axes[1].plot(*zip(*rew), color="0.45", lw=1)
         axes[1].set(ylabel="train reward (%)")
         axes[1].grid(alpha=0.3)
+    for ax, (who, series) in zip(axes[1 + bool(rew):], skill.items()):
+        _skill_panel(ax, who, series)
     _finish(fig, axes)
     return fig
+
+
+# the supervisors' skill against its references: the pick in the role's colour, the references grey
+SKILL_STYLES = {"picked": ("-", None), "random": (":", "0.35"), "majority": ("--", "0.35"), "oracle": ("-.", "0.6"),
+                "verdict accuracy": ("-", None), "false accept": ("--", "0.35"), "false reject": (":", "0.35")}
+
+
+def _skill_panel(ax, who: str, series: dict):
+    """The aggregator's picks against a random pick, the majority and the oracle, or the
+    evaluator's verdict accuracy with its false accepts and rejects (analysis.eval_rates)."""
+    for key, pts in series.items():
+        ls, color = SKILL_STYLES[key]
+        ax.plot([x for x, _ in pts], [100 * y for _, y in pts], ls=ls, marker="o", ms=2.5, lw=1.2,
+                color=color or role_color(who), label=key)
+    ax.set(ylabel=f"{who} (%)", ylim=(-2, 102))
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    ax.grid(alpha=0.3)
 
 
 def _norm_label(key: str) -> str:
@@ -234,7 +258,8 @@ def _draw_gradients(Figure, run: dict, s: dict):
 def _draw_outputs(Figure, run: dict, s: dict):
     panels = [("length (tokens)", role_series(run["metrics"], "len")),
               ("code-block rate (eval)", _nonzero(keyed_series(run["evals"], "code_block_rate"))),
-              ("parse-fail rate (eval)", _nonzero(keyed_series(run["evals"], "parse_fail")))]
+              ("parse-fail rate (eval)", _nonzero(keyed_series(run["evals"], "parse_fail"))),
+              ("cut at the cap (eval)", _nonzero(cut_series(run["evals"])))]
     panels = [p for p in panels if p[1]]
     if not panels:
         return None

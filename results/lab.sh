@@ -1,7 +1,7 @@
 #!/bin/bash
 # The toy lab's studies (docs/RESULTS.md), one cell at a time on one core, run from a git worktree
 # pinned at the study's commit (A, B, C and L: 40c8d1d; D and E, credit, and F, voterfall: 5f9511d;
-# M, the map: 0eeaf8a; R, real: the commit its runs' config.json records):
+# M, the map: 0eeaf8a; R, real, and Q: the commit their runs' config.json records):
 #   git worktree add --detach ../study 40c8d1d && bash results/lab.sh ../study A0
 # With no PART every part runs in order. A PART is a study letter and a seed (A0, B2, C4, L1 for
 # A's lr 1e-3 runs); for credit, D or E, then the toy model's warm-start seed, then the seed (D10:
@@ -9,7 +9,7 @@
 # generator step per training step, then every N=8 run's end evaluated role by role; M0: the map's
 # seed 0, its seven cells; R0: study R's `single` run of SmolLM2-135M-Instruct on arith with seed
 # 0, about 30 minutes on one free core; V0: its Voting arms, shared and isolated, seed 0, about 2
-# hours each). Two drivers given disjoint
+# hours each; Q0: study Q's seed 0, its five cells). Two drivers given disjoint
 # parts can share a 2-core machine, e.g.
 #   bash results/lab.sh ../study A0 A1 B0 B1 B2 L0 L1 L2 &  bash results/lab.sh ../study A2 C0 C1 C2 C3 C4 &
 # Rerunning resumes: sweep.py skips done cells and resumes interrupted ones. On a new machine,
@@ -69,6 +69,13 @@ real_voting() {
   python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows voting --sharings shared isolated \
     --seeds $1 --out runs/real -- $REAL --problems-per-step 4
 }
+# study Q: the paper's question on SmolLM2 (arith split by pair): single, Voting and Eval-Opt under
+# both sharings, 4 problems a step for every workflow (the same problems per step, as the paper's)
+Q="--problems-per-step 4 --group-size 8 --steps 48 --eval-every 6 --eval-problems 0 --lr 1e-4 --warmup-steps 2
+   --lora-rank 16 --grad-checkpointing off --device cpu"
+q_study() {   # seed $1, each cell in turn
+  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single voting eval_opt --seeds $1 --out runs/q -- $Q
+}
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(A0 A1 A2 B0 B1 B2 C0 C1 C2 C3 C4 L0 L1 L2 D00 D01 D02 D10 D11 D20 D21 E00 E01 E02 E10 E11 E20 E21 F00 F01 F02 F10 F11 F20 F21 M0 M1 M2 M3 R0 R1 R2)
 for p in "${parts[@]}"; do
@@ -83,7 +90,8 @@ for p in "${parts[@]}"; do
     M?) map ${p:1} ;;
     R?) real ${p:1} ;;
     V?) real_voting ${p:1} ;;
-    *) echo "lab.sh: unknown part $p (A0-A2, B0-B2, C0-C4, L0-L2, D00-D21, E00-E21, F00-F21, M0-M9, R0-R2, V0-V2)" >&2; exit 2 ;;
+    Q?) q_study ${p:1} ;;
+    *) echo "lab.sh: unknown part $p (A0-A2, B0-B2, C0-C4, L0-L2, D00-D21, E00-E21, F00-F21, M0-M9, R0-R2, V0-V2, Q0-Q9)" >&2; exit 2 ;;
   esac
 done
 echo "study: parts ${parts[*]} done"

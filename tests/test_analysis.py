@@ -563,3 +563,17 @@ def test_failure_signature_names_the_role_that_changed_first():
         [(14, "evaluator", "len"), (16, "evaluator", "fallback_rate")]
     early = analysis.accuracy_summary(_curve([40, 60, 20, 58, 59, 60], every=6))    # its trough at step 12
     assert early["dipped"] and analysis.failure_signature(metrics, early) == []      # both moved after it
+
+
+def test_eval_rates_read_the_counts_an_evaluation_logs_and_none_where_it_logs_none():
+    rec = {"step": 10, "acc": 0.4, "n": 50, "calls": {"generator": 100, "evaluator": 60},
+           "cut": {"generator": 5}, "graded_cut": 10, "uncut_correct": 20,
+           "skill": {"evaluator": {"calls": 60, "tp": 20, "fp": 10, "fn": 5, "tn": 15}}}
+    r = analysis.eval_rates(rec)
+    assert r["cut"] == {"generator": 0.05, "evaluator": 0.0} and r["uncut_acc"] == 0.5     # 20 of 40 uncut
+    assert r["verdict accuracy"] == 35 / 50 and r["false accept"] == 10 / 25 and r["false reject"] == 5 / 25
+    assert r["picked"] is None and r["random"] is None       # no aggregator in this workflow
+    old = analysis.eval_rates({"step": 0, "acc": 0.3, "n": 50, "calls": {"generator": 50}})
+    assert all(v is None for v in old.values())             # an older run's record: nothing logged
+    assert analysis.skill_series([rec]) == {"evaluator": {"verdict accuracy": [(10, 0.7)], "false accept": [(10, 0.4)],
+                                                          "false reject": [(10, 0.2)]}}

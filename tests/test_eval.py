@@ -143,6 +143,8 @@ def test_role_quality_evaluator_and_aggregator(parsers):
     assert e["confusion"] == {"tp": 1, "fp": 1, "fn": 1, "tn": 1}
     assert e["precision"] == pytest.approx(0.5) and e["recall"] == pytest.approx(0.5)
     assert e["verdict_rate"] == pytest.approx(4 / 5)
+    # a Correct on the wrong attempt (1 of 2 wrong ones), an Incorrect on the right one (1 of 2)
+    assert e["false_accept"] == pytest.approx(0.5) and e["false_reject"] == pytest.approx(0.5)
     assert q["roles"]["generator"]["calls"] == 6 and q["notes"] == []
 
     code = "```python\nprint(2)\n```"
@@ -163,6 +165,47 @@ def test_role_quality_evaluator_and_aggregator(parsers):
     assert g["len_tokens"] == pytest.approx(2.0)  # ids of length 1, 2, 3 in every episode
     assert g["len_chars"] == pytest.approx(sum(len(c.text) for ep in va for c in ep.calls[:3]) / 9)
     assert a["roles"]["aggregator"]["len_tokens"] == pytest.approx(2.0)
+
+
+def test_the_aggregators_pick_against_a_random_pick_the_majority_and_the_oracle(parsers):
+    """Three voters, known grades, known picks, every reference computed by hand."""
+    p = {"id": "p1", "prompt": "1+1", "source": "t", "answer": "2"}
+    right, wrong, other = "so \\boxed{2}", "so \\boxed{3}", "so \\boxed{4}"
+    cases = [([right, right, wrong], 3),    # picks the wrong one; random 2/3, majority right, oracle yes
+             ([wrong, right, wrong], 2),    # picks the right one; random 1/3, majority wrong, oracle yes
+             ([wrong, other, right], 1),    # a three-way tie goes to voter 1 (wrong); random 1/3
+             ([wrong, wrong, wrong], 1)]    # nothing right; random 0, oracle no
+    eps = []
+    for i, (texts, k) in enumerate(cases):
+        ep = Episode(p, i, [_call("generator", f"generator{j}", t) for j, t in enumerate(texts)]
+                     + [_call("aggregator", "aggregator", f"\\boxed{{{k}}}")])
+        ep.final_text = texts[k - 1]
+        eps.append(ep)
+    a = ev.role_quality(eps, "math")["aggregator"]
+    assert a["picked_correct_rate"] == pytest.approx(1 / 4)
+    assert a["random_pick_acc"] == pytest.approx((2 + 1 + 1 + 0) / 12)
+    assert a["majority_acc"] == pytest.approx(1 / 4)
+    assert a["oracle_rate"] == pytest.approx(3 / 4) and a["selection_acc"] == pytest.approx(1 / 3)
+    assert a["counts"] == {"resolved": 4, "picked": 1, "majority": 1, "with_correct": 3,
+                           "right_candidates": 4, "candidates": 12}
+
+
+def test_an_evaluation_record_counts_what_the_cap_cut_and_the_supervisors_skill_and_merges_exactly(parsers):
+    """cut_counts: calls cut per role, graded answers cut, right answers among the uncut; the
+    record's counts summed across ranks equal one process's."""
+    p = {"id": "p1", "prompt": "1+1", "source": "t", "answer": "2"}
+    whole, cut = _call("generator", "generator", "\\boxed{2}"), _call("generator", "generator", "\\boxed{2} and")
+    cut.finished = False
+    eps = [Episode(p, 0, [whole], final_text=whole.text, reward=1.0),
+           Episode(p, 1, [cut], final_text=cut.text, reward=0.0),
+           Episode(p, 2, [_call("generator", "generator", "\\boxed{5}")], final_text="\\boxed{5}", reward=0.0)]
+    assert ev.cut_counts(eps) == {"cut": {"generator": 1}, "graded_cut": 1, "uncut_correct": 1}
+    rec = lambda c, g, u, s: {"step": 3, "acc": 0.5, "n": 2, "parse_fail": {}, "len": {}, "code_block_rate": {},  # noqa: E731
+                              "calls": {"generator": 2}, "cut": c, "graded_cut": g, "uncut_correct": u, "skill": s}
+    merged = ev.merge_records([rec({"generator": 1}, 1, 0, {"aggregator": {"picked": 1, "candidates": 6}}),
+                               rec({}, 0, 1, {"aggregator": {"picked": 0, "candidates": 6}})])
+    assert (merged["cut"], merged["graded_cut"], merged["uncut_correct"]) == ({"generator": 1}, 1, 1)
+    assert merged["skill"] == {"aggregator": {"candidates": 12, "picked": 1}} and merged["acc"] == 0.5
 
 
 def test_role_quality_orchestrator_and_lengths(parsers):
@@ -386,3 +429,20 @@ def test_toy_seed_evaluates_another_shipped_toy_model_and_is_refused_elsewhere(c
     with pytest.raises(SystemExit) as e:
         ev.main(["--workflow", "single", "--scale", "0.6b", "--toy-seed", "1"])
     assert str(e.value.code).startswith("error: --toy-seed is a toy model's warm-start seed")
+
+
+def test_instruction_rewords_the_generator_for_one_evaluation_and_keeps_the_phrase_rules(monkeypatch):
+    """--instruction: the task kind registered again with another generator instruction (the
+    answer-only base rate of the real-model study), the other roles' as they were; refused at
+    the toy scale and where it breaks the phrase rules."""
+    monkeypatch.setattr(taskkinds, "TASK_KINDS", dict(taskkinds.TASK_KINDS))
+    monkeypatch.setattr(taskkinds, "REPLACED", set())
+    before = workflows.instruction("aggregator", "arith")
+    note = ev.reword_generator("arith", "Reply with the answer alone, as a number.", "smollm2-135m")
+    assert workflows.instruction("generator", "arith") == "Reply with the answer alone, as a number."
+    assert workflows.instruction("aggregator", "arith") == before and "for this evaluation" in note
+    assert taskkinds.get("arith").max_new_tokens == taskkinds.TASK_KINDS["arith"].max_new_tokens
+    with pytest.raises(ValueError, match="toy model"):
+        ev.reword_generator("arith", "Reply with the answer alone.", "toy")
+    with pytest.raises(ValueError, match="no phrase may hold another"):
+        ev.reword_generator("arith", taskkinds.AGGREGATOR_MATH + " Now.", "smollm2-135m")

@@ -4,6 +4,7 @@ matplotlib is missing.
 
     python -m pytest -q tests/test_plots.py
 """
+import json
 import math
 import os
 
@@ -48,6 +49,34 @@ def test_figures_name_the_cell_give_the_reward_its_own_panel_and_drop_empty_pane
         outputs = [ax.get_ylabel() for ax in plots._draw_outputs(Figure, run, s).axes]
         assert ("code-block rate (eval)" in outputs) is has_code  # all zero on math: no panel
         assert "parse-fail rate (eval)" in outputs
+
+
+def test_the_supervisors_skill_and_the_cut_share_get_panels_where_the_evaluations_log_them(tmp_path):
+    """acc.png: a panel per supervisor (the aggregator's picks with a random pick, the majority and
+    the oracle; the evaluator's verdicts); length.png: the share cut at the cap. Logs of older
+    runs, without them, draw neither."""
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install matplotlib)")
+    from matplotlib.figure import Figure
+    folder = write_run(tmp_path, "skill", [0.2, 0.5])
+    recs = [{"step": 5 * i, "acc": a, "n": 100, "calls": {"generator": 300, "aggregator": 100},
+             "cut": {"generator": 30 - 25 * i}, "graded_cut": 10 - 8 * i, "uncut_correct": 20 + 30 * i,
+             "skill": {"aggregator": {"resolved": 100, "picked": 20 + 30 * i, "majority": 25 + 20 * i,
+                                      "with_correct": 60, "right_candidates": 60 + 90 * i, "candidates": 300}}}
+            for i, a in enumerate([0.2, 0.5])]
+    with open(os.path.join(folder, "eval.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+    run, s = analysis.load_run(folder), analysis.analyse_run(folder)
+    acc = plots._draw_accuracy(Figure, run, s)
+    assert [ax.get_ylabel() for ax in acc.axes] == ["eval accuracy (%)", "train reward (%)", "aggregator (%)"]
+    lines = {line.get_label(): list(line.get_ydata()) for line in acc.axes[2].get_lines()}
+    assert lines == {"picked": [20.0, 50.0], "random": [20.0, 50.0], "majority": [25.0, 45.0], "oracle": [60.0, 60.0]}
+    cut = {ax.get_ylabel(): ax for ax in plots._draw_outputs(Figure, run, s).axes}["cut at the cap (eval)"]
+    assert {line.get_label(): list(line.get_ydata()) for line in cut.get_lines()} == {
+        "aggregator": [0.0, 0.0], "generator": [0.1, 5 / 300]}
+    older = write_run(tmp_path, "older", [0.2, 0.5])
+    run, s = analysis.load_run(older), analysis.analyse_run(older)
+    assert [ax.get_ylabel() for ax in plots._draw_accuracy(Figure, run, s).axes] == ["eval accuracy (%)",
+                                                                                     "train reward (%)"]
 
 
 def test_rates_read_on_their_whole_range_and_coherence_against_orthogonal_slots(tmp_path):

@@ -392,3 +392,72 @@ def test_a_table_cell_never_prints_a_zero_error():
     assert studies._pm(intervals.sample([1.0, 1.02, 1.04])) == "1.0 ± <0.1"
     assert studies._pm(intervals.sample([1.0, 2.0, 3.0])) == "2.0 ± 0.6"
     assert studies._pm(intervals.sample([1.0, 3.0])) == "2.0 (n=2)"
+
+
+def _with_skill(folder, picked, rights, verdicts=None):
+    """Rewrite a synthetic run's eval.jsonl with the aggregator's counts (100 picks an
+    evaluation: `picked` right, `rights` of 300 candidates right, a majority of 40 and an oracle
+    of 70) or the evaluator's (tp, fp, fn, tn), one value per evaluation."""
+    path = os.path.join(folder, "eval.jsonl")
+    recs = analysis.read_jsonl(path)
+    for i, r in enumerate(recs):
+        r["skill"] = ({"evaluator": dict(zip(("tp", "fp", "fn", "tn"), verdicts[i]), calls=sum(verdicts[i]))}
+                      if verdicts else {"aggregator": {"resolved": 100, "picked": picked[i], "majority": 40,
+                                                       "with_correct": 70, "right_candidates": rights[i],
+                                                       "candidates": 300}})
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+
+
+def test_study_q_reads_the_supervisors_skill_against_chance_the_end_and_the_base_rates(tmp_path, monkeypatch):
+    """Study Q: the end is the mean of the last 3 evaluations; Isolated minus Shared and each
+    workflow minus single, paired by seed; the aggregator's picks against a random pick (chance)
+    and the majority, the evaluator's J, at step 0 and at the end; "not logged" for runs whose
+    evaluations predate it; the base rates kept beside the runs."""
+    monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
+    runs = tmp_path / "runs"
+    for seed in range(3):
+        for wf, sharing, accs in (("single", "shared", [0.2, 0.3, 0.4, 0.5]),
+                                  ("voting", "shared", [0.2, 0.4, 0.5, 0.6 + 0.01 * seed]),
+                                  ("voting", "isolated", [0.2, 0.5, 0.6, 0.3]),
+                                  ("eval_opt", "shared", [0.2, 0.3, 0.3, 0.3])):
+            folder = synthetic_run(runs, wf, "arith", sharing, seed=seed, lr=1e-4, accs=accs, steps=30,
+                                   eval_every=10, name=f"{wf}-{sharing}-s{seed}")
+            _with_config(folder, provenance=ORIGIN, scale="smollm2-135m")
+            if wf == "voting" and sharing == "shared":
+                _with_skill(folder, picked=[30, 40, 50, 60 + seed], rights=[90, 120, 150, 150])
+            open(os.path.join(folder, "samples.jsonl"), "w").close()
+            open(os.path.join(folder, "done"), "w").close()
+            studies.keep("q", folder)
+    os.makedirs(tmp_path / "results" / "q" / "base")
+    base = {"workflow": "single", "problems": 162, "samples": 4, "episodes": 648, "temperature": 0.7,
+            "max_new_tokens": 384, "instruction": None, "pass@k": {"1": 0.25},
+            "cut": {"cut": {"generator": 26}, "graded_cut": 26, "uncut_correct": 150},
+            "quality": {"roles": {"generator": {"len_tokens": 70.25}}}}
+    with open(tmp_path / "results" / "q" / "base" / "task.json", "w") as f:
+        json.dump(base, f)
+    text = studies.report_text("q")
+    # the end: mean of the last 3 evaluations; voting shared minus single: (40 + 50 + 60 + s) / 3 - 40 = +10.0 + s / 3
+    assert ("- the end (mean of the last 3 evaluations), voting, shared minus single, paired by seed, in points: "
+            "+10.3 ± 0.2") in text
+    # voting isolated ends on one low evaluation (30 after 60): not a fall (two are needed), nor a dip it recovered from
+    assert "| voting, isolated | 0,1,2 |" in text and "dipped 30.0 points and recovered" not in text
+    # voting isolated: the end 46.7 against shared's 56.7+; its peak 60 against 60-62
+    assert "- peak accuracy, voting, isolated minus voting, shared, paired by seed, in points: -1.0 ± 0.6" in text
+    # step 0: 30 of 100 right picks against a random pick's 90/300 = 30%; the end: 60-62 against 50%
+    assert ("- the aggregator's skill, voting, shared, step 0: picks right 30.0% (random pick 30.0%, majority 40.0%, "
+            "oracle 70.0%); picked minus random +0.0 (n = 3, all equal: no spread to give an interval)") in text
+    assert "- the aggregator's skill, voting, shared, end: picks right 61.0% (random pick 50.0%" in text
+    assert "picked minus random +11.0 ± 0.6 (95% CI [+8.5, +13.5], n = 3, df 2)" in text
+    assert "- the aggregator's skill, voting, isolated: not logged" in text
+    assert "- the evaluator's skill, eval_opt, shared: not logged" in text
+    assert ("- base rate, single under the task's own instruction (task.json): 25.0% of 162 problems x 4 samples, "
+            "T = 0.7, at most 384 new tokens; 4.0% cut at that cap, 24.1% right among the uncut; 70.2 tokens") in text
+
+
+def test_the_evaluators_skill_is_youdens_j_against_chance():
+    """J = 1 - false accepts - false rejects: 0 for verdicts that ignore the attempt's grade."""
+    at_chance = {"verdict accuracy": 50.0, "false accept": 50.0, "false reject": 50.0}
+    sharp = {"verdict accuracy": 90.0, "false accept": 10.0, "false reject": 10.0}
+    text = studies._skill_text("evaluator", [at_chance, sharp, sharp])
+    assert text.startswith("verdict accuracy 76.7%, false accepts 23.3%, false rejects 23.3%; J +53.3 ± 26.7")
