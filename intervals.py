@@ -29,6 +29,9 @@ Choices (each unit-tested on hand-computed cases in tests/test_intervals.py):
   error of a 2-unit model still enters an across-model estimate, with its one df.)
 - Two arms differ only when the 95% interval excludes 0; otherwise the verdict gives the
   interval's reach from 0, the largest effect the runs could have missed.
+- Several contrasts read at once: each interval holds its own 95%, not the family's; `holm`
+  says which of a family's contrasts still exclude 0 at a family-wise 5% (Holm's step-down on
+  the t tests' two-sided p values).
 """
 import math
 from dataclasses import dataclass, field
@@ -133,6 +136,13 @@ class Estimate:
         df = f"{self.df:.0f}" if abs(self.df - round(self.df)) < 0.05 else f"{self.df:.1f}"
         return f"{self.mean:{f}} ± {self.se:.{digits}f} (95% CI [{c[0]:{f}}, {c[1]:{f}}], {n}, df {df})"
 
+    def p(self) -> float | None:
+        """Two-sided p of the mean against 0 under the t the interval uses; None where there is no
+        interval (ci is None, or units that all agree)."""
+        if self.ci() is None or self.se == 0:
+            return None
+        return 2 * (1 - t_cdf(abs(self.mean) / self.se, self.df))
+
     def verdict(self, unit: str = "points") -> str:
         """Whether the interval tells the two arms apart, and the largest effect it leaves open."""
         c = self.ci()
@@ -190,3 +200,17 @@ def across(per_model: list) -> Estimate | None:
     var = sum(v for v, _ in parts)
     df = var ** 2 / sum(v ** 2 / d for v, d in parts) if var > 0 else None
     return Estimate(mean, math.sqrt(var), df, sum(e.n for e in per_model))
+
+
+def holm(ps: list, alpha: float = 1 - LEVEL) -> list:
+    """Holm's step-down over a family of p values (None: no test): which keep a family-wise error
+    of `alpha`. Sorted ascending, the k-th smallest (k from 0) is kept while p <= alpha / (m - k),
+    m the number of tests; the first that fails stops the rest. Any dependence between the tests
+    is allowed."""
+    tested = sorted((p, i) for i, p in enumerate(ps) if p is not None)
+    keep, m = [False] * len(ps), len(tested)
+    for k, (p, i) in enumerate(tested):
+        if p > alpha / (m - k):
+            break
+        keep[i] = True
+    return keep

@@ -115,7 +115,7 @@ class Study:
     title: str
     arm: object                                   # config -> arm name
     order: list                                   # the arms, in the table's order
-    contrasts: list                               # [(arm A, arm B)]: A minus B, for each measure
+    contrasts: list                               # [(arm A, arm B[, measures])]: A minus B, in each measure
     roles: tuple = ()                             # roles whose mechanism columns the table shows
     runs: str = ""                                # how the runs were made (the page shows it)
     panel: tuple = ()                             # the figure's mechanism: (key, roles, label), the first role a run has
@@ -143,7 +143,8 @@ STUDIES = {
     "map": Study(
         "The map: every workflow under Shared and Isolated, math, the toy default lr (1e-3), 400 steps",
         _workflow_arm, ["single"] + [f"{w}, {sh}" for w in MAP_WORKFLOWS for sh in ("shared", "isolated")],
-        [(f"{w}, isolated", f"{w}, shared") for w in MAP_WORKFLOWS],
+        [(f"{w}, isolated", f"{w}, shared") for w in MAP_WORKFLOWS]
+        + [(f"{w}, {sh}", "single", ("final_acc",)) for w in MAP_WORKFLOWS for sh in ("shared", "isolated")],
         roles=("generator", "aggregator", "evaluator", "orchestrator", "worker", "synthesizer"),
         mechanisms=["len", "parse_fail"], measures=("peak_acc", "final_acc", "drop", "dip"), paired=True,
         gains=True, signatures=True, curve="runs",
@@ -610,17 +611,33 @@ def model_lines(study: str, groups: dict, a: str, b: str, measure: str) -> list:
 
 
 def contrast_lines(study: str, rows: dict, groups: dict | None = None) -> list:
-    st, out = STUDIES[study], []
-    for a, b in st.contrasts:
-        for measure in st.measures:
+    """Each contrast in each of its measures (a contrast (a, b, measures) names its own; else the
+    study's), then, per measure read in several contrasts, which survive Holm (holm_line)."""
+    st, out, family = STUDIES[study], [], {}
+    for a, b, *own in st.contrasts:
+        for measure in (own[0] if own else st.measures):
             c = contrast(st, rows, a, b, measure)
             if c is None:
                 continue
             how, e = c
             out.append(f"- {MEASURES[measure]}, {a} minus {b}, {how}, in points: {e.text()}; {e.verdict()}")
+            family.setdefault(measure, []).append((f"{a} minus {b}", e))
             if st.crossed and groups:
                 out += model_lines(study, groups, a, b, measure)
-    return out
+    return out + [line for measure, es in family.items() if (line := holm_line(measure, es))]
+
+
+def holm_line(measure: str, family: list) -> str | None:
+    """The contrasts of one measure read together: how many exclude 0 each at 95%, and which
+    still do at a family-wise 5% (intervals.holm); None for fewer than two with an interval."""
+    ps = [e.p() for _, e in family]
+    if sum(p is not None for p in ps) < 2:
+        return None
+    alone = [name for (name, e) in family if e.excludes_zero()]
+    kept = [name for (name, _), k in zip(family, intervals.holm(ps)) if k]
+    return (f"- read together, the {sum(p is not None for p in ps)} contrasts of {MEASURES[measure]}: "
+            f"{len(alone)} exclude 0 each at 95%; at a family-wise 5% (Holm) {len(kept)} do"
+            + (f" ({'; '.join(kept)})" if kept else ""))
 
 
 def report_text(study: str) -> str:

@@ -91,3 +91,19 @@ def test_one_and_two_units_are_written_without_an_error():
     assert I.welch([1.0, 2.0], [4.0, 5.0, 7.0]).ci() is None              # an arm of 2: no interval either
     assert I.welch([1.0, 2.0], [4.0, 5.0, 7.0]).verdict() == "too few units for an interval: not told apart"
     assert I.sample([None, None]) is None
+
+
+def test_holm_steps_down_through_a_familys_p_values():
+    """Four tests at a family-wise 5%: 0.01 <= 0.05/4 = 0.0125 is kept; then 0.02 > 0.05/3 = 0.0167
+    stops the step-down, so 0.03 is not kept although it would pass 0.05/2 on its own."""
+    assert I.holm([0.03, 0.01, 0.02, None, 0.5]) == [False, True, False, False, False]
+    assert I.holm([0.001, 0.012, 0.024]) == [True, True, True]       # 0.05/3, 0.05/2, 0.05/1
+    assert I.holm([]) == []
+
+
+def test_p_is_the_two_sided_t_p_of_the_interval_and_none_without_one():
+    e = I.sample([1.0, 2.0, 3.0])                     # mean 2, se 1/sqrt(3), df 2
+    t = 2 / (1 / math.sqrt(3))
+    # df 2: P(|T| > t) = 1 - t / sqrt(t^2 + 2), closed form
+    assert e.p() == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-9)
+    assert I.sample([1.0, 1.0, 1.0]).p() is None and I.sample([1.0, 2.0]).p() is None

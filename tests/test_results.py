@@ -450,6 +450,9 @@ def test_study_q_reads_the_supervisors_skill_against_chance_the_end_and_the_base
     assert "- the aggregator's skill, voting, shared, end: picks right 61.0% (random pick 50.0%" in text
     assert "picked minus random +11.0 ± 0.6 (95% CI [+8.5, +13.5], n = 3, df 2)" in text
     assert "- the aggregator's skill, voting, isolated: not logged" in text
+    # the contrasts of one measure read together: two with an interval, both kept by Holm
+    assert ("- read together, the 2 contrasts of the end (mean of the last 3 evaluations): 2 exclude 0 each at 95%; "
+            "at a family-wise 5% (Holm) 2 do (voting, isolated minus voting, shared; voting, shared minus single)") in text
     assert "- the evaluator's skill, eval_opt, shared: not logged" in text
     assert ("- base rate, single under the task's own instruction (task.json): 25.0% of 162 problems x 4 samples, "
             "T = 0.7, at most 384 new tokens; 4.0% cut at that cap, 24.1% right among the uncut; 70.2 tokens") in text
