@@ -834,6 +834,12 @@ def role_lines(study: str, groups: dict) -> list:
             if xs:
                 out.append(f"- {what}, {name}, end minus untrained, in points: {intervals.sample(xs).text()}; "
                            f"lower on {sum(x < 0 for x in xs)} of {len(xs)} runs")
+        rs = [run["roles"] for run, _ in groups[name] if run.get("roles")]
+        if rs:   # a random pick among the voters is right with one voter's accuracy: chance
+            over = {w: intervals.sample([100 * (r[w][f"{r['voters']} voters"]["acc"] - r[w]["one voter"]["acc"])
+                                         for r in rs]) for w in ("start", "end")}
+            out.append(f"- the aggregator over a random pick (the run's voters' accuracy minus one voter's), {name}, "
+                       f"in points: untrained {over['start'].text()}; end {over['end'].text()}")
     return out
 
 
