@@ -579,6 +579,11 @@ def _print_evaluation(res: dict):
         if role in q:
             print(f"{role}: " + ", ".join(f"{k} {_num(v, '.3f') if isinstance(v, float) else v}"
                                           for k, v in q[role].items()))
+    cut, n = res["cut"], res["episodes"]
+    uncut = _div(cut["uncut_correct"], n - cut["graded_cut"])
+    print(f"cut at {res['max_new_tokens']} tokens: {_pct(cut['graded_cut'] / n)}% of graded answers "
+          f"({', '.join(f'{r} {c}' for r, c in cut['cut'].items()) or 'no call'} cut); "
+          f"accuracy among the uncut {_pct(uncut)}%")
     for note in q["notes"]:
         print("note:", note)
 

@@ -252,6 +252,11 @@ def test_eval_cli_scores_a_trained_checkpoint(model_dir, tmp_path, capsys):
     assert set(res["quality"]["roles"]) == {"generator", "aggregator"}
     # the checkpoint's own length limit (6 new tokens) was used: no completion is longer
     assert res["quality"]["roles"]["generator"]["len_tokens"] <= 6
+    assert res["cut"]["graded_cut"] <= res["episodes"] and set(res["cut"]["cut"]) <= {"generator", "aggregator"}
+    ev.main(["--workflow", "voting", "--task", "math", "--scale", model_dir, "--checkpoint", str(out / "ckpt-last"),
+             "--data", "toy_math", "--problems", "4", "--batch-size", "2", "--device", "cpu", "--quiet"])
+    text = capsys.readouterr().out
+    assert "cut at 6 tokens: " in text and "accuracy among the uncut" in text and "random_pick_acc" in text
     with pytest.raises(SystemExit, match="no such file"):
         ev.main(["--workflow", "single", "--task", "math", "--scale", model_dir, "--data", str(tmp_path / "x.jsonl")])
 
