@@ -134,8 +134,7 @@ def register_task(name: str, reward: Callable, instructions: dict, default: str,
     rounds, marker, key, workers, default_for). Its strings must keep the phrase rules
     (check_phrases) beside every other kind's; a name that exists is refused unless `replace`."""
     with refusing():
-        if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-            raise ValueError(f"task kind {name!r}: a name is lower-case letters, digits and _")
+        check_name("task kind", name)
         if name in TASK_KINDS and not replace:
             raise ValueError(f"task kind {name!r} exists; choose another name, or pass replace=True to replace it "
                              f"on purpose")
@@ -150,6 +149,13 @@ def register_task(name: str, reward: Callable, instructions: dict, default: str,
         REPLACED.add(name)
     TASK_KINDS[name] = kind
     return kind
+
+
+def check_name(what: str, name) -> None:
+    """A task kind's or a workflow's name: lower-case letters, digits and _, so that it is one
+    word in a flag's choices and a run folder's name ("relay/v2" would make a folder in a folder)."""
+    if not (isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9_]*", name)):
+        raise ValueError(f"{what} {name!r}: a name is lower-case letters, digits and _, starting with a letter")
 
 
 def check_phrases(new: list, known, owner: str) -> None:

@@ -24,29 +24,28 @@ JUDGE = "Read both solutions and their critiques, then pick one with \\boxed{1} 
 SLOTS = {"generator": ("generator0", "generator1"), "critic": ("critic0", "critic1"), "judge": ("judge",)}
 
 
-def critiqued(critic="critic", critic_slots=("critic0", "critic1"), header=W.SOLUTION_HEADERS[0], keyed=True):
+def critiqued(critic="critic", critic_slots=("critic0", "critic1"), header=W.SOLUTION_HEADERS[0], keyed=True,
+              graded=True):
     """The forker's workflow: two generators answer, a critic reads each answer under `header`
     (in `critic_slots`, as role `critic`), a judge picks one of the two. The knobs are the
-    mistakes a forker made."""
+    mistakes a forker made: `keyed=False` calls the llm bare (no keys, nothing appended),
+    `graded=False` never sets the episodes' final_text."""
     def fn(episodes, llm, task):
         owners = [ep for ep in episodes for _ in range(2)]
-        answers = W.stage(llm, "generator", ["generator0", "generator1"] * len(episodes),
-                          [W.generator_messages(ep.problem, task) for ep in owners], owners)
-        messages = [W._messages(W.instruction(critic, task), W.PROBLEM, ep.problem["prompt"], header, a.text)
-                    for ep, a in zip(owners, answers)]
-        notes = (W.stage(llm, critic, list(critic_slots) * len(episodes), messages, owners) if keyed
-                 else llm(critic, list(critic_slots) * len(episodes), messages))
-        for i, ep in enumerate(episodes):
-            ep.calls += [answers[2 * i], answers[2 * i + 1], notes[2 * i], notes[2 * i + 1]]
-        picks = W.stage(llm, "judge", ["judge"] * len(episodes),
-                        [W._messages(W.instruction("judge", task), W.PROBLEM, ep.problem["prompt"],
-                                     *W._numbered([answers[2 * i].text, answers[2 * i + 1].text]))
-                         for i, ep in enumerate(episodes)], episodes)
+        answers = W.stage(llm, task, "generator", owners, slots=["generator0", "generator1"] * len(episodes))
+        shown = [(header, a.text) for a in answers]
+        if keyed:
+            W.stage(llm, task, critic, owners, shown, list(critic_slots) * len(episodes))
+        else:
+            llm(critic, list(critic_slots) * len(episodes), [W.prompt(critic, task, ep.problem, p)
+                                                            for ep, p in zip(owners, shown)])
+        picks = W.stage(llm, task, "judge", episodes, [W._numbered([a.text for a in answers[2 * i:2 * i + 2]])
+                                                       for i in range(len(episodes))])
         for i, (ep, call) in enumerate(zip(episodes, picks)):
-            ep.calls.append(call)
             k, fallback = W.parse_choice(call.text, 2)
             W._count(ep, "judge", fallback)
-            ep.final_text = answers[2 * i + k - 1].text
+            if graded:
+                ep.final_text = answers[2 * i + k - 1].text
     return fn
 
 
@@ -174,7 +173,7 @@ def test_a_stage_in_another_roles_slots_is_refused_before_any_rollout(registries
 
 def test_a_role_the_registration_lacks_is_refused_before_any_rollout(registries, tmp_path, capsys):
     register(slots={"generator": ("generator0", "generator1"), "judge": "judge"},
-             instructions={("judge", "math"): JUDGE})
+             kinds={"judge": "supervisory"}, instructions={("judge", "math"): JUDGE})
     assert train_refuses(capsys, tmp_path) == (
         "error: workflow 'critiqued' calls the role 'critic', which its registration does not declare (it declares "
         "generator, judge); add it: register('critiqued', ..., slots={..., 'critic': (...)}) "
@@ -224,8 +223,8 @@ def test_a_stage_called_without_row_keys_is_refused_before_any_rollout(registrie
     register(fn=critiqued(keyed=False))
     assert train_refuses(capsys, tmp_path) == (
         "error: workflow 'critiqued' calls llm('critic', ...) without row keys, so its draws would follow the order "
-        "of calls, which a resumed run or another rank does not repeat; call it through stage(llm, role, slots, "
-        "messages_list, owners) (see python train.py --help)")
+        "of calls, which a resumed run or another rank does not repeat; make it through stage(llm, task, role, "
+        "owners, ...) (see python train.py --help)")
 
 
 # ----------------------------------------------------------------------------- sweep.py
@@ -254,17 +253,11 @@ CRITIC_OWN = "Name the weakest step of the solution in one sentence."
 
 def debate(episodes, llm, task):
     owners = [ep for ep in episodes for _ in range(2)]
-    first = stage(llm, "generator", ["generator0", "generator1"] * len(episodes),
-                  [generator_messages(ep.problem, task) for ep in owners], owners)
-    notes = stage(llm, "critic", ["critic0", "critic1"] * len(episodes),
-                  [_messages(instruction("critic", task), PROBLEM, ep.problem["prompt"], SOLUTION_HEADERS[0], c.text)
-                   for ep, c in zip(owners, first)], owners)
-    judged = stage(llm, "judge", ["judge"] * len(episodes),
-                   [_messages(instruction("judge", task), PROBLEM, ep.problem["prompt"],
-                              *_numbered([c.text for c in first[2 * i:2 * i + 2]])) for i, ep in enumerate(episodes)],
-                   episodes)
+    first = stage(llm, task, "generator", owners, slots=["generator0", "generator1"] * len(episodes))
+    stage(llm, task, "critic", owners, [(SOLUTION_HEADERS[0], c.text) for c in first], ["critic0", "critic1"] * len(episodes))
+    judged = stage(llm, task, "judge", episodes, [_numbered([c.text for c in first[2 * i:2 * i + 2]])
+                                                  for i in range(len(episodes))])
     for i, (ep, call) in enumerate(zip(episodes, judged)):
-        ep.calls += [*first[2 * i:2 * i + 2], *notes[2 * i:2 * i + 2], call]
         k, fallback = parse_choice(call.text, 2)
         _count(ep, "judge", fallback)
         ep.final_text = first[2 * i + k - 1].text

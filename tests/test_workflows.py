@@ -513,10 +513,8 @@ def test_slots_follow_the_parameters_and_a_call_in_an_undeclared_slot_is_refused
         *(f"generator{k}" for k in range(8)), "aggregator"}
 
     def stray(episodes, llm, task):   # registered with one slot, calls in another
-        calls = W.stage(llm, "generator", ["generator9"] * len(episodes),
-                        [W.generator_messages(ep.problem, task) for ep in episodes], episodes)
-        for ep, call in zip(episodes, calls):
-            ep.calls.append(call)
+        for ep, call in zip(episodes, W.stage(llm, task, "generator", episodes, slots=["generator9"] * len(episodes))):
+            ep.final_text = call.text
     W.register("stray", stray, {"generator": "generator"})
     llm = FakeLLM(generator="x")
     with pytest.raises(ValueError) as e:         # the dry run at the start: before any call
