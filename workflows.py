@@ -417,15 +417,15 @@ def stage(llm: LLM, task: str, role: str, owners: list, parts: list | None = Non
 
 def _rows(task: str, role: str, owners: list, parts: list | None, slots: list | None) -> tuple[list, list]:
     """A stage's parts and slots, one per row (defaults: none shown beyond the problem; the
-    role's own slot), after checking what it was given (a TypeError for the arguments of
-    another signature, such as an older stage's)."""
+    role's own slot), after checking what it was given (Broken for the arguments of another
+    signature, such as an older stage's, so that the dry run refuses them)."""
     if not (isinstance(task, str) and isinstance(role, str) and all(isinstance(ep, Episode) for ep in owners)):
-        raise TypeError(f"stage(llm, task, role, owners, parts=None, slots=None, revise=False): owners are Episodes, "
-                        f"got task={taskkinds.shortened(repr(task))}, role={taskkinds.shortened(repr(role))}")
+        raise Broken(f"stage(llm, task, role, owners, parts=None, slots=None, revise=False): owners are Episodes, "
+                     f"got task={taskkinds.shortened(task)}, role={taskkinds.shortened(role)}")
     parts, slots = parts or [()] * len(owners), slots or [role] * len(owners)
     if not len(parts) == len(slots) == len(owners):
-        raise ValueError(f"stage of the {role}: {len(owners)} owners, {len(parts)} parts, {len(slots)} slots; "
-                         "give one of each per row")
+        raise Broken(f"stage of the {role}: {len(owners)} owners, {len(parts)} parts, {len(slots)} slots; "
+                     "give one of each per row")
     return parts, slots
 
 
