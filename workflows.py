@@ -55,12 +55,13 @@ cells and axes, analysis.py's role groups and plots.py's colours all read the re
 registration leaves unsaid or gets wrong is refused in one line, never filled in: at `register`
 (a name taken or not lower-case letters, digits and _, a slot two roles share, an instruction
 or kind for a role it does not declare, text that breaks the phrase rules or changes another
-workflow's prompt, a parameter its function does not take or with another default) or at a run's start (`check_run`, called by train.py's flags, eval.py and
-run_workflow: a parameter's value, a role with no instruction written for it; and a dry run of
-the workflow with an llm that writes nothing, which checks every stage's role, slots, row keys
-and instruction, the fixed text of every prompt, that every call is in its episode and that
-every episode has its graded answer, before anything is sampled). The same checks hold for
-every stage of a real run (`Broken`: one line).
+workflow's prompt, a parameter its function does not take or with another default) or at a
+run's start (`check_run`, called by train.py's flags, eval.py and run_workflow: a parameter's
+value, a role with no instruction written for it; and a dry run of the workflow with an llm
+that writes nothing, which checks every stage's role, slots, row keys and instruction, the
+fixed text of every prompt, that every call is in its episode and that every episode has its
+graded answer, before anything is sampled). The same checks hold for every stage of a real run
+(`Broken`: one line).
 """
 import inspect
 import re

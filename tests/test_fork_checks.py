@@ -44,7 +44,8 @@ def critiqued(critic="critic", critic_slots=("critic0", "critic1"), header=W.SOL
             W.stage(llm, task, critic, owners, shown, slots)
         else:
             messages = [W.prompt(told, task, ep.problem, p) for ep, p in zip(owners, shown)]
-            llm(critic, slots, messages, **({"keys": [("mine", i) for i in range(len(slots))]} if call == "keyed" else {}))
+            keys = {"keys": [("mine", i) for i in range(len(slots))]} if call == "keyed" else {}
+            llm(critic, slots, messages, **keys)
         picks = W.stage(llm, task, "judge", episodes, [W._numbered([a.text for a in answers[2 * i:2 * i + 2]])
                                                        for i in range(len(episodes))])
         for i, (ep, pick) in enumerate(zip(episodes, picks)):
