@@ -742,10 +742,12 @@ def _check_books(workflow: str, episodes: list[Episode], rows: int, before: int)
         raise Broken(f"workflow {workflow!r} made {rows} llm calls, but its episodes hold {held} new ones; make every "
                      f"call through stage(llm, task, role, owners, ...), which appends each to its episode, and "
                      f"append none yourself")
-    missing = sum(ep.final_text is None for ep in episodes)
+    missing = [ep.final_text for ep in episodes if not isinstance(ep.final_text, str)]
     if missing:
-        raise Broken(f"workflow {workflow!r} left {missing} of {len(episodes)} episodes without a graded answer; set "
-                     f"each episode's final_text (e.g. ep.final_text = call.text of the call that answers)")
+        got = "" if all(m is None for m in missing) else f" (a str; one is a {type(missing[0]).__name__})"
+        raise Broken(f"workflow {workflow!r} left {len(missing)} of {len(episodes)} episodes without a graded "
+                     f"answer{got}; set each episode's final_text (e.g. ep.final_text = call.text of the call that "
+                     f"answers)")
 
 
 def _dry_run(workflow: str, task: str, table: dict, params: dict) -> None:

@@ -262,6 +262,14 @@ def test_an_episode_left_without_its_graded_answer_is_refused_before_any_rollout
         W.run_workflow("critiqued", [W.Episode(problem=MATH_PROBLEM)], llm, "math")
     assert str(e.value) == message and llm.log == []
 
+    def a_call(episodes, llm, task):   # the Call itself, not its text
+        for ep, call in zip(episodes, W.stage(llm, task, "generator", episodes)):
+            ep.final_text = call
+    W.register("a_call", a_call, {"generator": "generator"})
+    with pytest.raises(ValueError, match=r"^workflow 'a_call' left 2 of 2 episodes without a graded answer \(a str; "
+                                         r"one is a Call\); set each episode's final_text"):
+        W.check_run("a_call", "math")
+
 
 @pytest.mark.parametrize("call, told, message", [
     ("keyed", "critic", "workflow 'critiqued' made 10 llm calls, but its episodes hold 6 new ones; make every call "
