@@ -253,8 +253,11 @@ def resolve_args(ap, args):
     args.max_prompt_tokens = default_prompt if args.max_prompt_tokens is None else args.max_prompt_tokens or None
     args.max_embed_tokens = default_embed if args.max_embed_tokens is None else args.max_embed_tokens or None
     args.data = args.data or tasks.default_data(args.scale, args.task)
+    if args.data is None and args.scale == "toy":   # the toy model reads its own tasks alone: --data would not do
+        ap.error(f"--task {args.task} has no data in the toy world, which knows math and code alone; run it on a real "
+                 f"model, e.g. --scale smollm2-135m --data FILE (a .jsonl of {args.task} records; README, Forking)")
     if args.data is None:
-        ap.error(f"--task {args.task} has no default data set {'in the toy world' if args.scale == 'toy' else 'at real scales'}; "
+        ap.error(f"--task {args.task} has no default data set at real scales; "
                  f"pass --data (a data set or a .jsonl file of {args.task} records)")
     args.mini_batch = args.problems_per_step * args.group_size if args.mini_batch is None else args.mini_batch
     roles = workflows.ROLES[args.workflow]

@@ -220,26 +220,32 @@ def check_cells(p, matrix, extra):
 
 
 def default_axes(wfs, tasks, scale):
-    """(workflows, tasks) of the sweep: the ones given, else every registered one, less (at
-    --scale toy, one line each) a workflow with a role the toy model never learned and a task
-    kind with no toy data: a fork's own, which run on a real model."""
-    if scale != "toy" or (wfs and tasks):
-        return wfs or list(workflows.WORKFLOWS), tasks or list(taskkinds.TASK_KINDS)
-    import toy   # it imports torch: only at --scale toy
+    """(workflows, tasks) of the sweep: the ones given, else every registered one, less (one line
+    each) what the scale cannot run by default: at --scale toy a workflow with a role the toy
+    model never learned and a task kind with no toy data (a fork's own, which run on a real
+    model); at a real scale a task kind with no default data set there (a fork's own, whose data
+    comes with `--tasks KIND -- --data FILE`)."""
     out_wfs = list(wfs or [])
-    for wf in [] if wfs else workflows.WORKFLOWS:
-        try:
-            toy.check_roles(wf, workflows.ROLES[wf])
-            out_wfs.append(wf)
-        except ValueError as e:
-            print(f"sweep: leaving out {e}", file=sys.stderr)
-    out_tasks = list(tasks or [])
+    if scale == "toy" and not wfs:
+        import toy   # it imports torch: only at --scale toy
+        for wf in workflows.WORKFLOWS:
+            try:
+                toy.check_roles(wf, workflows.ROLES[wf])
+                out_wfs.append(wf)
+            except ValueError as e:
+                print(f"sweep: leaving out {e}", file=sys.stderr)
+    elif not wfs:
+        out_wfs = list(workflows.WORKFLOWS)
+    out_tasks, world = list(tasks or []), "toy" if scale == "toy" else "real"
     for task in [] if tasks else taskkinds.TASK_KINDS:
-        if taskkinds.TASK_KINDS[task].data.get("toy") is None:
+        if taskkinds.TASK_KINDS[task].data.get(world) is not None:
+            out_tasks.append(task)
+        elif world == "toy":
             print(f"sweep: leaving out --task {task}: the toy world has no data of it; name it in --tasks with a "
                   "real --scale", file=sys.stderr)
         else:
-            out_tasks.append(task)
+            print(f"sweep: leaving out --task {task}: it has no default data set at real scales; name it in --tasks "
+                  "and give its data to every cell: -- --data FILE", file=sys.stderr)
     return out_wfs, out_tasks
 
 

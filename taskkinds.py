@@ -19,9 +19,17 @@ A registration gives everything the rest of the code asks of a kind:
   math, `tests` code); a record may always name its kind with "kind": NAME;
 - `key(text, problem)`, optional: pairs with equal keys get equal rewards, so a batch grades
   each key once (default: the whole text and the problem's id); `workers(pairs)`, optional:
-  how many distinct pairs to grade at once, in threads (default 1).
+  how many distinct pairs to grade at once, in threads (default 1);
+- `parse(text)`, optional: what the reward reads of a text (math: its last \\boxed{}), None when
+  it finds nothing; with it, a first batch paid all 0 says whether any answer parsed.
 
     score(texts, problems, task) -> list[float]     the batch entry point training calls once a step
+
+Rewards are checked where they enter, in `score`: a reward that is not a number in [0, 1] (a
+NaN, 10, -5, None) is refused in one line naming the kind and the record (Refused, before any
+update uses it: eval counts > 0.5 as correct and the run folder says 0 or 1), and the first batch
+a process grades of a kind says once, on stderr, when every answer in it was paid 0 and none
+parsed (a kind whose instructions ask for another form than its reward reads trains on nothing).
 
 Every instruction is fixed prompt text (workflows.phrases()) and keeps the phrase rules of
 `check_phrases`: one line, and none holding another fixed string. `register_task` refuses a kind
@@ -39,7 +47,10 @@ Run: `python -m pytest -q tests/test_rewards.py tests/test_forking.py`.
 """
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
+import math
+import numbers
 import os
 import re
 import sys
@@ -80,6 +91,7 @@ class TaskKind:
     key: Callable = _text_and_id
     workers: Callable[[list], int] = _one_at_a_time
     default_for: tuple = SOLVERS  # the roles `default` was written for
+    parse: Callable[[str], object] | None = None   # what the reward reads of a text; None: nothing there
 
     def instruction(self, role: str) -> str:
         return self.instructions.get(role, self.default)
@@ -93,9 +105,12 @@ class TaskKind:
 
 
 class Refused(ValueError):
-    """A registration refused (register_task, workflows.register). Raised by a fork's module as
-    it is imported, before any entry point's own error handling runs, it ends the process with
-    its one line and where the registration is, not a traceback (_one_line)."""
+    """A fork's mistake refused in one line: a registration (register_task, workflows.register),
+    or what only a run shows (a reward out of [0, 1], a workflow that breaks its contract on a
+    branch its dry run did not take: workflows.Broken; train.py ends a run on it in one line).
+    Raised by a fork's module as it is imported, before any entry point's own error handling
+    runs, it ends the process with its one line and where the registration is, not a traceback
+    (_one_line)."""
 
 
 @contextlib.contextmanager
@@ -134,11 +149,11 @@ def register_task(name: str, reward: Callable, instructions: dict, default: str,
     rounds, marker, key, workers, default_for). Its strings must keep the phrase rules
     (check_phrases) beside every other kind's; a name that exists is refused unless `replace`."""
     with refusing():
-        if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-            raise ValueError(f"task kind {name!r}: a name is lower-case letters, digits and _")
+        check_name("task kind", name)
         if name in TASK_KINDS and not replace:
             raise ValueError(f"task kind {name!r} exists; choose another name, or pass replace=True to replace it "
                              f"on purpose")
+        _check_fields(name, reward, check, instructions, options)
         others = [p for k in TASK_KINDS.values() if k.name != name for p in k.phrases()]
         check_phrases([*instructions.values(), *([options["revise"]] if options.get("revise") else []), default],
                       others, f"task kind {name!r}")
@@ -150,6 +165,37 @@ def register_task(name: str, reward: Callable, instructions: dict, default: str,
         REPLACED.add(name)
     TASK_KINDS[name] = kind
     return kind
+
+
+def _check_fields(name: str, reward, check, instructions, options: dict) -> None:
+    """What a registration declares is what the code will use: functions where it calls them, a
+    data set per scale it knows ("toy", "real"), limits that are counts, role names as keys."""
+    known = {f.name for f in dataclasses.fields(TaskKind)} - {"name", "reward", "instructions", "default", "check"}
+    for option in options:
+        if option not in known:
+            raise ValueError(f"task kind {name!r}: no option {option!r}; the options are {', '.join(sorted(known))}")
+    for field_name, fn in (("reward", reward), ("check", check), *((k, options[k]) for k in ("key", "workers", "parse")
+                                                                   if options.get(k) is not None)):
+        if not callable(fn):
+            raise ValueError(f"task kind {name!r}: {field_name} must be a function, got {shortened(repr(fn))}")
+    data = options.get("data", {})
+    if not (isinstance(data, dict) and set(data) <= {"toy", "real"} and all(isinstance(v, str) for v in data.values())):
+        raise ValueError(f"task kind {name!r}: data is {{'toy': NAME, 'real': NAME}} (either may be left out), got "
+                         f"{shortened(repr(data))}")
+    for field_name, low in (("max_new_tokens", 1), ("rounds", 0)):
+        value = options.get(field_name, low)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+            raise ValueError(f"task kind {name!r}: {field_name} must be an int >= {low}, got {value!r}")
+    roles = [*instructions, *options.get("default_for", ())]
+    if not (isinstance(instructions, dict) and all(isinstance(r, str) and r for r in roles)):
+        raise ValueError(f"task kind {name!r}: instructions are {{role: text}} and default_for a tuple of role names")
+
+
+def check_name(what: str, name) -> None:
+    """A task kind's or a workflow's name: lower-case letters, digits and _, so that it is one
+    word in a flag's choices and a run folder's name ("relay/v2" would make a folder in a folder)."""
+    if not (isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9_]*", name)):
+        raise ValueError(f"{what} {name!r}: a name is lower-case letters, digits and _, starting with a letter")
 
 
 def check_phrases(new: list, known, owner: str) -> None:
@@ -216,8 +262,39 @@ def score(texts: list, problems: list, task: str) -> list[float]:
     else:
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
             results = list(ex.map(lambda pair: kind.reward(*pair), pairs))
+    for (text, problem), r in zip(pairs, results):
+        _check_reward(kind, problem, r)
     verdict = dict(zip(first, results))
-    return [float(verdict[k]) for k in keys]
+    rewards = [float(verdict[k]) for k in keys]
+    if task not in _LOOKED:
+        _LOOKED.add(task)
+        _note_all_zero(kind, texts, rewards)
+    return rewards
+
+
+_LOOKED: set = set()   # kinds whose first graded batch _note_all_zero has seen, in this process
+
+
+def _check_reward(kind: TaskKind, problem: dict, r) -> None:
+    """A reward is a number in [0, 1]: a NaN would write NaN weights at the first update, a 10 or
+    a -5 would weigh one row over the rest and be counted correct or not by eval's > 0.5."""
+    if not (isinstance(r, numbers.Real) and math.isfinite(r) and 0 <= r <= 1):
+        raise Refused(f"task kind {kind.name!r}: the reward of record {problem.get('id')!r} is {shortened(r)}, "
+                      f"not a number in [0, 1]; make {getattr(kind.reward, '__name__', 'its reward')} return one")
+
+
+def _note_all_zero(kind: TaskKind, texts: list, rewards: list) -> None:
+    """One line on stderr when a kind's first graded batch was paid 0 throughout and none of its
+    answers parsed (`parse`; a kind without one: whether they parsed is not known)."""
+    if any(rewards) or not texts:
+        return
+    if kind.parse is not None and any(kind.parse(t) is not None for t in texts):
+        return
+    why = ("none of them parsed" if kind.parse is not None else
+           "and it declares no parse=, so whether any parsed is not known")
+    print(f"note: task kind {kind.name!r}: every one of the {len(texts)} answers graded first was paid 0, {why}; "
+          f"nothing is learned until some answer is paid: check that the instructions ask for what the reward reads",
+          file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------
@@ -327,13 +404,13 @@ register_task(
     instructions={"generator": GENERATOR_MATH, "aggregator": AGGREGATOR_MATH, "evaluator": EVALUATOR_MATH,
                   "orchestrator": ORCHESTRATOR_MATH, "worker": WORKER_MATH, "synthesizer": SYNTHESIZER_MATH},
     max_new_tokens=5120, rounds=3, data={"toy": "toy_math", "real": "dapo_math"}, marker="answer",
-    key=_math_key, workers=_math_workers, default_for=("generator",))
+    key=_math_key, workers=_math_workers, default_for=("generator",), parse=rewards.last_boxed)
 register_task(
     "code", _code_reward, check=_check_code, default=GENERATOR_CODE, revise=REVISE_CODE,
     instructions={"generator": GENERATOR_CODE, "aggregator": AGGREGATOR_CODE, "evaluator": EVALUATOR_CODE,
                   "orchestrator": ORCHESTRATOR_CODE, "worker": WORKER_CODE, "synthesizer": SYNTHESIZER_CODE},
     max_new_tokens=2048, rounds=2, data={"toy": "toy_code", "real": "deepcoder"}, marker="tests",
-    key=_code_key, workers=_code_workers, default_for=("generator",))
+    key=_code_key, workers=_code_workers, default_for=("generator",), parse=rewards.last_code_block)
 
 
 # ---------------------------------------------------------------------------------------
@@ -370,4 +447,4 @@ register_task(
     "arith", _arith_reward, check=_check_arith, default=GENERATOR_ARITH,
     instructions={"generator": GENERATOR_ARITH, "aggregator": AGGREGATOR_MATH, "evaluator": EVALUATOR_MATH,
                   "orchestrator": ORCHESTRATOR_MATH},
-    max_new_tokens=ARITH_MAX_NEW_TOKENS, rounds=3, data={"real": "arith"}, key=_arith_key)
+    max_new_tokens=ARITH_MAX_NEW_TOKENS, rounds=3, data={"real": "arith"}, key=_arith_key, parse=rewards.last_number)

@@ -146,8 +146,25 @@ def start_run(args, comm):
                 runfolder.remove_fresh(run)
             runfolder.fail(str(e))
     if run.start == 0:
-        first_eval(run)
+        with broken(run):
+            first_eval(run)
     return run
+
+
+@contextlib.contextmanager
+def broken(run):
+    """A fork's workflow or reward that breaks its contract once the run has started (a branch
+    its dry run did not take, a reward out of [0, 1]: taskkinds.Refused) ends the run in one
+    line, exit 2; a fresh run with no checkpoint yet leaves nothing, so the same command runs
+    again once the fork is fixed."""
+    import taskkinds
+    try:
+        yield
+    except taskkinds.Refused as e:
+        saved = os.path.isdir(os.path.join(run.args.out, "ckpt-last"))
+        if run.main and not run.args.resume and not saved:
+            runfolder.remove_fresh(run)
+        runfolder.fail(f"{e}" + (f"; once fixed, --resume {run.args.out} continues from ckpt-last" if saved else ""))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -245,7 +262,7 @@ def main(argv=None):
     say = print if args.quiet else tqdm.write
     bar = tqdm(range(run.start + 1, args.steps + 1), desc="train", disable=args.quiet or not run.main,
                initial=run.start, total=args.steps)
-    with interrupts() as stop, aborted(run):
+    with interrupts() as stop, aborted(run), broken(run):
         for step in bar:
             t0 = time.time()
             # 1. problems of this step, the same ones whenever the run is resumed (this rank's share)

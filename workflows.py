@@ -1,8 +1,11 @@
 """Workflows: roles, prompts, output parsers, and each workflow as a function over a batch.
 
-Four workflows, run stage by stage over a batch of episodes. Each stage is ONE call
+Four workflows, run stage by stage over a batch of episodes. A stage (`stage`) is ONE call
 `llm(role, slots, messages_list, keys)` for every live episode together (a stage with no live
-episode makes no call), and every returned `Call` is appended to its episode in order.
+episode makes no call), and it keeps the books: each prompt carries the instruction of the role
+it runs, each row's key is taken where its `Call` is appended to its episode, in order. A
+workflow says only what differs (who runs, what each row is shown, what is graded) and sets
+each episode's `final_text`.
 
 | workflow       | stages (slots)                                          | graded text          |
 |----------------|---------------------------------------------------------|----------------------|
@@ -50,12 +53,17 @@ A new workflow is one `register(name, fn, slots, kinds=..., instructions=..., he
 params=...)` call: train.py's and eval.py's `--workflow` choices and parameter flags, sweep.py's
 cells and axes, analysis.py's role groups and plots.py's colours all read the registry. What a
 registration leaves unsaid or gets wrong is refused in one line, never filled in: at `register`
-(a name taken, a slot two roles share, text that breaks the phrase rules or changes another
-workflow's prompt) or at a run's start (`check_run`, called by train.py's flags, eval.py and
-run_workflow: a role with no instruction written for it; and a dry run of the workflow with an
-llm that writes nothing, which checks every stage's role, slots and row keys and the fixed text
-of every prompt before anything is sampled).
+(a name taken or not lower-case letters, digits and _, a slot two roles share, an instruction
+or kind for a role it does not declare, text that breaks the phrase rules or changes another
+workflow's prompt, a parameter its function does not take or with another default) or at a
+run's start (`check_run`, called by train.py's flags, eval.py and run_workflow: a parameter's
+value, a role with no instruction written for it; and a dry run of the workflow with an llm
+that writes nothing, which checks every stage's role, slots, row keys and instruction, the
+fixed text of every prompt, that every call is in its episode and that every episode has its
+graded answer, before anything is sampled). The same checks hold for every stage of a real run
+(`Broken`: one line).
 """
+import inspect
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -85,7 +93,7 @@ class Episode:
     problem: dict                 # task record: id, prompt, answer|tests, source
     rollout: int = 0              # index among the G rollouts of this problem
     calls: list = field(default_factory=list)           # every Call, in the order made
-    final_text: str = ""          # the text that is graded
+    final_text: str | None = None   # the text that is graded; the workflow sets it (run_workflow checks)
     reward: float = 0.0           # 0/1 reward of final_text, paid to every call (but see `pay`)
     fallbacks: dict = field(default_factory=dict)       # role -> parser fallbacks taken
     stream: tuple = ()            # what its draws are for, e.g. ("train", step): see `stage`
@@ -118,7 +126,8 @@ class Param:
 
 # llm(role, slots, messages_list, keys=keys) -> one Call per (slot, messages), in order, text
 # filled in; keys[i] names row i, so that its random draws depend on it alone: a workflow calls
-# it through `stage`, which names each row, and a call without keys is refused (_check_stage).
+# it through `stage`, which builds each prompt and names each row (_check_stage refuses a bare
+# call without keys or with another role's instruction).
 LLM = Callable[..., list]
 
 
@@ -205,11 +214,27 @@ def check_run(workflow: str, task: str, params: dict | None = None) -> None:
     if workflow not in WORKFLOWS:
         raise ValueError(f"unknown workflow {workflow!r}; choose one of {sorted(WORKFLOWS)}")
     kind, params = taskkinds.get(task), dict(params or {})
+    _check_values(workflow, params)
     table = slot_table(workflow, **params)
     for role in ROLES[workflow]:
         _check_instruction_of(workflow, role, kind)
     taskkinds.check_phrases(kind.phrases(), phrases(), f"task kind {task!r}")
     _dry_run(workflow, task, table, params)
+
+
+def _check_values(workflow: str, params: dict) -> None:
+    """Each value is a parameter of the workflow's (PARAMS), of its type and within its range
+    (None: unset), as train.py's flags check them: the workflow function need not."""
+    declared = {p.name: p for p in PARAMS[workflow]}
+    for name, value in params.items():
+        p = declared.get(name)
+        if p is None:
+            raise ValueError(f"workflow {workflow!r} has no parameter {name!r} (its parameters: "
+                             f"{', '.join(declared) or 'none'})")
+        typed = isinstance(value, p.type) or (p.type is float and isinstance(value, int))
+        if value is not None and not (typed and not isinstance(value, bool) and p.range[0] <= value <= p.range[1]):
+            raise ValueError(f"workflow {workflow!r}: {name} must be a {p.type.__name__} in "
+                             f"{p.range[0]}..{p.range[1]}, got {value!r}")
 
 
 def _check_instruction_of(workflow: str, role: str, kind) -> None:
@@ -253,9 +278,13 @@ def _fix(workflow: str, role: str, task: str) -> str:
     return f"register({workflow!r}, ..., instructions={{({role!r}, {task!r}): ...}})"
 
 
-def _messages(system: str, *parts: str) -> list[dict]:
-    # the user message is phrases and variable text joined by "\n", nothing else
-    return [{"role": "system", "content": system}, {"role": "user", "content": "\n".join(parts)}]
+def prompt(role: str, task: str, problem: dict, parts: tuple = (), revise: bool = False) -> list[dict]:
+    """The messages of one call: `role`'s instruction on `task` (the kind's revision turn when
+    `revise`) as the system message; the user message is PROBLEM, the problem's text, then
+    `parts` (phrases and variable text, nothing else), joined by "\\n"."""
+    system = taskkinds.get(task).revision() if revise else instruction(role, task)
+    user = "\n".join([PROBLEM, problem["prompt"], *parts])
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
 def _numbered(texts: list[str]) -> list[str]:
@@ -276,40 +305,33 @@ def _conversation(history: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------
-# Prompt builders: problem is a task record; its "prompt" is the text every role sees.
+# Each built-in role's prompt, as the workflows below build it through `stage` and as toy.py's
+# warm-start transcripts build it: problem is a task record; its "prompt" is the text every role sees.
 
 def generator_messages(problem: dict, task: str, history: list[str] = ()) -> list[dict]:
     """First answer (empty history), or an Eval-Opt revision given every attempt and feedback."""
-    kind = taskkinds.get(task)
-    if not history:
-        return _messages(instruction("generator", task), PROBLEM, problem["prompt"])
-    return _messages(kind.revision(), PROBLEM, problem["prompt"], *_conversation(history))
+    return prompt("generator", task, problem, _conversation(history), revise=bool(history))
 
 
 def aggregator_messages(problem: dict, task: str, solutions: list[str]) -> list[dict]:
-    taskkinds.get(task)
-    return _messages(instruction("aggregator", task), PROBLEM, problem["prompt"], *_numbered(solutions))
+    return prompt("aggregator", task, problem, _numbered(solutions))
 
 
 def evaluator_messages(problem: dict, task: str, history: list[str]) -> list[dict]:
     """history ends with the attempt to judge."""
-    taskkinds.get(task)
-    return _messages(instruction("evaluator", task), PROBLEM, problem["prompt"], *_conversation(history))
+    return prompt("evaluator", task, problem, _conversation(history))
 
 
 def orchestrator_messages(problem: dict, task: str) -> list[dict]:
-    taskkinds.get(task)
-    return _messages(instruction("orchestrator", task), PROBLEM, problem["prompt"])
+    return prompt("orchestrator", task, problem)
 
 
 def worker_messages(problem: dict, task: str, strategy: str) -> list[dict]:
-    taskkinds.get(task)
-    return _messages(instruction("worker", task), PROBLEM, problem["prompt"], STRATEGY, strategy)
+    return prompt("worker", task, problem, (STRATEGY, strategy))
 
 
 def synthesizer_messages(problem: dict, task: str, solutions: list[str]) -> list[dict]:
-    taskkinds.get(task)
-    return _messages(instruction("synthesizer", task), PROBLEM, problem["prompt"], *_numbered(solutions))
+    return prompt("synthesizer", task, problem, _numbered(solutions))
 
 
 # ---------------------------------------------------------------------------------------
@@ -368,23 +390,44 @@ def _count(episode: Episode, role: str, taken: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Workflows: fn(episodes, llm, task, **params) -> None, filling .calls and .final_text.
+# Workflows: fn(episodes, llm, task, **params) -> None; its stages append the calls, and it
+# sets each episode's final_text.
 
-def stage(llm: LLM, role: str, slots: list[str], messages_list: list[list[dict]], owners: list) -> list[Call]:
-    """One stage = one llm call for all live episodes together; no call when none is live.
-    owners[i] is the Episode that row i's call will be appended to, in order; the row's key is
-    (its stream, problem id, rollout, the index the call will have in the episode), the same
-    whichever other rows share the stage."""
-    if not slots:
+def stage(llm: LLM, task: str, role: str, owners: list, parts: list | None = None, slots: list | None = None,
+          revise: bool = False) -> list[Call]:
+    """One stage = one llm call for every row together; no call when there is no row. Row i is
+    owners[i]'s (an Episode), its prompt `prompt(role, task, its problem, parts[i], revise)`
+    (so a role's prompt carries its own instruction), its slot slots[i] (default: the role's
+    name); its Call is appended to owners[i], in row order, and returned. The row's key is its
+    stream, problem id, rollout and the index its call takes in the episode: taken here, where
+    the call is appended, no two calls of an episode share one, whatever else shares the stage."""
+    parts, slots = _rows(task, role, owners, parts, slots)
+    if not owners:
         return []
     keys, before = [], Counter()
     for ep in owners:
         keys.append((*ep.stream, ep.problem_id, ep.rollout, len(ep.calls) + before[id(ep)]))
         before[id(ep)] += 1
-    calls = llm(role, slots, messages_list, keys=keys)
-    if len(calls) != len(slots):
-        raise RuntimeError(f"llm returned {len(calls)} calls for {len(slots)} {role} prompts")
+    calls = llm(role, slots, [prompt(role, task, ep.problem, p, revise) for ep, p in zip(owners, parts)], keys=keys)
+    if len(calls) != len(owners):
+        raise RuntimeError(f"llm returned {len(calls)} calls for {len(owners)} {role} prompts")
+    for ep, call in zip(owners, calls):
+        ep.calls.append(call)
     return calls
+
+
+def _rows(task: str, role: str, owners: list, parts: list | None, slots: list | None) -> tuple[list, list]:
+    """A stage's parts and slots, one per row (defaults: none shown beyond the problem; the
+    role's own slot), after checking what it was given (Broken for the arguments of another
+    signature, such as an older stage's, so that the dry run refuses them)."""
+    if not (isinstance(task, str) and isinstance(role, str) and all(isinstance(ep, Episode) for ep in owners)):
+        raise Broken(f"stage(llm, task, role, owners, parts=None, slots=None, revise=False): owners are Episodes, "
+                     f"got task={taskkinds.shortened(task)}, role={taskkinds.shortened(role)}")
+    parts, slots = parts or [()] * len(owners), slots or [role] * len(owners)
+    if not len(parts) == len(slots) == len(owners):
+        raise Broken(f"stage of the {role}: {len(owners)} owners, {len(parts)} parts, {len(slots)} slots; "
+                     "give one of each per row")
+    return parts, slots
 
 
 def _clipper(llm: LLM) -> Callable[[str], str]:
@@ -396,102 +439,61 @@ def _clipper(llm: LLM) -> Callable[[str], str]:
 
 
 def single(episodes: list[Episode], llm: LLM, task: str) -> None:
-    taskkinds.get(task)
-    calls = stage(llm, "generator", ["generator"] * len(episodes),
-                  [generator_messages(ep.problem, task) for ep in episodes], episodes)
-    for ep, call in zip(episodes, calls):
-        ep.calls.append(call)
+    for ep, call in zip(episodes, stage(llm, task, "generator", episodes)):
         ep.final_text = call.text
 
 
 def voting(episodes: list[Episode], llm: LLM, task: str, n_voters: int = 3) -> None:
-    taskkinds.get(task)
-    if not 1 <= n_voters <= len(SOLUTION_HEADERS):
-        raise ValueError(f"n_voters must be in 1..{len(SOLUTION_HEADERS)}, got {n_voters}")
-    voters = [f"generator{i}" for i in range(n_voters)]
-    # all voters of all episodes in one call; identical prompts, so the sampler can share prefill
-    gen = stage(llm, "generator", voters * len(episodes),
-                [generator_messages(ep.problem, task) for ep in episodes for _ in voters],
-                [ep for ep in episodes for _ in voters])
-    groups = [gen[i * n_voters:(i + 1) * n_voters] for i in range(len(episodes))]
-    for ep, group in zip(episodes, groups):
-        ep.calls.extend(group)
-    clip = _clipper(llm)
-    agg = stage(llm, "aggregator", ["aggregator"] * len(episodes),
-                [aggregator_messages(ep.problem, task, [clip(c.text) for c in group])
-                 for ep, group in zip(episodes, groups)], episodes)
-    for ep, group, call in zip(episodes, groups, agg):
-        ep.calls.append(call)
-        k, fallback = parse_choice(call.text, n_voters)
+    n, clip = n_voters, _clipper(llm)
+    # all voters of all episodes in one stage; identical prompts, so the sampler can share prefill
+    gen = stage(llm, task, "generator", [ep for ep in episodes for _ in range(n)],
+                slots=[f"generator{i}" for i in range(n)] * len(episodes))
+    agg = stage(llm, task, "aggregator", episodes, [_numbered([clip(c.text) for c in gen[i * n:(i + 1) * n]])
+                                                    for i in range(len(episodes))])
+    for i, (ep, call) in enumerate(zip(episodes, agg)):
+        k, fallback = parse_choice(call.text, n)
         _count(ep, "aggregator", fallback)
-        ep.final_text = group[k - 1].text     # the chosen solution, in full, is graded
+        ep.final_text = gen[i * n + k - 1].text     # the chosen solution, in full, is graded
 
 
 def eval_opt(episodes: list[Episode], llm: LLM, task: str, max_rounds: int | None = None) -> None:
-    kind = taskkinds.get(task)
-    rounds = kind.rounds if max_rounds is None else max_rounds
-    if rounds < 0:
-        raise ValueError(f"max_rounds must be >= 0, got {max_rounds}")
-    history = [[] for _ in episodes]      # per episode: attempt, feedback, attempt, ...
-    live = list(range(len(episodes)))     # episodes not yet judged Correct
-    clip = _clipper(llm)
+    rounds = taskkinds.get(task).rounds if max_rounds is None else max_rounds
+    history = [[] for _ in episodes]          # per episode: attempt, feedback, attempt, ...
+    live, clip = list(range(len(episodes))), _clipper(llm)    # episodes not yet judged Correct
 
-    def generate(idx: list[int]) -> None:
-        calls = stage(llm, "generator", ["generator"] * len(idx),
-                      [generator_messages(episodes[i].problem, task, [clip(t) for t in history[i]]) for i in idx],
-                      [episodes[i] for i in idx])
-        for i, call in zip(idx, calls):
-            episodes[i].calls.append(call)
+    def shown():                              # every attempt and feedback so far, of each live one
+        return [_conversation([clip(t) for t in history[i]]) for i in live]
+    for r in range(rounds + 1):
+        # the first answers, then the revisions (the kind's revision turn)
+        for i, call in zip(live, stage(llm, task, "generator", [episodes[i] for i in live], shown(), revise=r > 0)):
             history[i].append(call.text)
-            episodes[i].final_text = call.text   # the last generator answer is graded
-
-    generate(live)
-    for _ in range(rounds):
-        calls = stage(llm, "evaluator", ["evaluator"] * len(live),
-                      [evaluator_messages(episodes[i].problem, task, [clip(t) for t in history[i]]) for i in live],
-                      [episodes[i] for i in live])
-        still = []
-        for i, call in zip(live, calls):
-            episodes[i].calls.append(call)
+            episodes[i].final_text = call.text    # the last generator answer is graded
+        if r == rounds:
+            break
+        judged = stage(llm, task, "evaluator", [episodes[i] for i in live], shown())
+        for i, call in zip(list(live), judged):
             correct, fallback = parse_verdict(call.text)
             _count(episodes[i], "evaluator", fallback)
-            if not correct:
+            if correct:
+                live.remove(i)
+            else:
                 history[i].append(call.text)
-                still.append(i)
-        live = still
-        if not live:
-            break
-        generate(live)
 
 
 def orch_workers(episodes: list[Episode], llm: LLM, task: str, max_strategies: int = 3) -> None:
-    taskkinds.get(task)
-    if not 1 <= max_strategies <= len(SOLUTION_HEADERS):
-        raise ValueError(f"max_strategies must be in 1..{len(SOLUTION_HEADERS)}, got {max_strategies}")
-    orch = stage(llm, "orchestrator", ["orchestrator"] * len(episodes),
-                 [orchestrator_messages(ep.problem, task) for ep in episodes], episodes)
     plans = []
-    for ep, call in zip(episodes, orch):
-        ep.calls.append(call)
+    for ep, call in zip(episodes, stage(llm, task, "orchestrator", episodes)):
         strategies, fallback = parse_strategies(call.text, max_strategies)
         _count(ep, "orchestrator", fallback)
         plans.append(strategies)
-    # every worker of every episode in one call, one strategy each
+    # every worker of every episode in one stage, one strategy each
     owners = [i for i, plan in enumerate(plans) for _ in plan]
-    work = stage(llm, "worker", ["worker"] * len(owners),
-                 [worker_messages(episodes[i].problem, task, s) for i, plan in enumerate(plans) for s in plan],
-                 [episodes[i] for i in owners])
-    solutions = [[] for _ in episodes]
+    work = stage(llm, task, "worker", [episodes[i] for i in owners], [(STRATEGY, s) for plan in plans for s in plan])
+    solutions, clip = [[] for _ in episodes], _clipper(llm)
     for i, call in zip(owners, work):
-        episodes[i].calls.append(call)
-        solutions[i].append(call.text)
-    clip = _clipper(llm)
-    syn = stage(llm, "synthesizer", ["synthesizer"] * len(episodes),
-                [synthesizer_messages(ep.problem, task, [clip(s) for s in sols]) for ep, sols in zip(episodes, solutions)],
-                episodes)
-    for ep, call in zip(episodes, syn):
-        ep.calls.append(call)
-        ep.final_text = call.text
+        solutions[i].append(clip(call.text))
+    for ep, call in zip(episodes, stage(llm, task, "synthesizer", episodes, [_numbered(s) for s in solutions])):
+        ep.final_text = call.text             # the synthesizer's own answer is graded
 
 
 # ---------------------------------------------------------------------------------------
@@ -530,16 +532,22 @@ def register(name: str, fn: Callable, slots, kinds: dict | None = None, instruct
     that breaks the phrase rules (taskkinds.check_phrases), a bad parameter."""
     kinds, instructions, headers = dict(kinds or {}), dict(instructions or {}), tuple(headers)
     with taskkinds.refusing():
+        taskkinds.check_name("workflow", name)
         if name in WORKFLOWS and not replace:
             raise ValueError(f"workflow {name!r} exists; choose another name, or pass replace=True to "
                              f"replace it on purpose")
         table = _slot_table(name, slots() if callable(slots) else slots)
+        stray = next((role for role, _ in [*kinds.items(), *instructions] if role not in table), None)
+        if stray is not None:
+            raise ValueError(f"workflow {name!r}: its kinds or instructions name the role {stray!r}, which its slots "
+                             f"do not declare ({', '.join(table)}); declare it or drop the entry")
         resolved = {role: _kind_of(name, role, kinds.get(role)) for role in table}
         for key, text in instructions.items():
             _check_instruction(name, key, text)
         taskkinds.check_phrases([*headers, *instructions.values()], phrases(), f"workflow {name!r}")
+        keywords = _keywords(name, fn)
         for p in params:
-            _check_param(name, p)
+            _check_param(name, p, keywords)
     if name in WORKFLOWS:
         REPLACED.add(name)
     WORKFLOWS[name], ROLES[name], PARAMS[name], HEADERS[name] = fn, tuple(table), tuple(params), headers
@@ -594,7 +602,31 @@ def _check_instruction(workflow: str, key, text) -> None:
                          f"needs a new role name (e.g. {workflow}_{role}, with its kind)")
 
 
-def _check_param(workflow: str, p: Param) -> None:
+def _keywords(workflow: str, fn: Callable) -> dict | None:
+    """{keyword: default} of `fn` beyond (episodes, llm, task), after checking it takes those
+    three; None when it takes **params (any keyword)."""
+    try:
+        sig = inspect.signature(fn)
+        sig.bind(None, None, None)
+    except (TypeError, ValueError):
+        raise ValueError(f"workflow {workflow!r}: its function must take (episodes, llm, task, **params), got "
+                         f"{taskkinds.shortened(repr(fn))}") from None
+    named = list(sig.parameters.values())[3:]
+    if any(q.kind is q.VAR_KEYWORD for q in named):
+        return None
+    return {q.name: q.default for q in named if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)}
+
+
+def _check_param(workflow: str, p: Param, keywords: dict | None) -> None:
+    """A parameter's type, range and flag, and (`keywords`: the function's) that the function
+    takes it with the default the Param states: else its flag would set nothing, or --help
+    would show another default than the run's."""
+    if keywords is not None and p.name not in keywords:
+        raise ValueError(f"workflow {workflow!r}: parameter {p.name!r} is not a keyword of its function, so its "
+                         f"flag would set nothing; name one of {', '.join(keywords) or 'none (add it to the function)'}")
+    if keywords is not None and keywords[p.name] is not inspect.Parameter.empty and keywords[p.name] != p.default:
+        raise ValueError(f"workflow {workflow!r}: parameter {p.name!r} states the default {p.default!r}, but its "
+                         f"function's is {keywords[p.name]!r}; give the Param the function's default")
     if p.type not in (int, float, str):
         raise ValueError(f"workflow {workflow!r}: parameter {p.name!r} must be an int, float or str")
     if p.default is not None and not p.range[0] <= p.default <= p.range[1]:
@@ -647,64 +679,99 @@ register("orch_workers", orch_workers, {"orchestrator": ("orchestrator",), "work
 def run_workflow(name: str, episodes: list[Episode], llm: LLM, task: str, **params) -> None:
     """Run workflow `name` on the batch in place, with its parameters' values (PARAMS: voting
     n_voters=3, eval_opt max_rounds=None, orch_workers max_strategies=3), once `check_run`
-    passes; every stage is checked again as it comes (_check_stage), before its llm call."""
+    passes; every stage is checked again as it comes (_check_stage), before its llm call, and
+    the books once it returns (_check_books). What breaks the contract here, on a branch the dry
+    run did not take, is `Broken`: one line, and train.py keeps nothing of a fresh run."""
     check_run(name, task, params)    # also: an unknown workflow or task
-    table = slot_table(name, **params)
+    checked, before = _checked(name, task, slot_table(name, **params), llm), sum(len(ep.calls) for ep in episodes)
+    WORKFLOWS[name](episodes, checked, task, **params)
+    _check_books(name, episodes, checked.rows, before)
 
+
+class Broken(taskkinds.Refused):
+    """A workflow that broke its contract as it ran: a stage refused (_check_stage) or its books
+    wrong (_check_books). The dry run turns it into a refusal before any rollout; uncaught, it is
+    one line (taskkinds.Refused)."""
+
+
+def _checked(workflow: str, task: str, table: dict, llm: LLM) -> LLM:
+    """`llm` as the workflow sees it: each stage checked before its call, its rows counted."""
     def checked(role, slots, messages_list, keys=None):
-        _check_stage(name, table, role, slots, keys)
+        _check_stage(workflow, task, table, role, slots, messages_list, keys)
+        checked.rows += len(slots)
         return llm(role, slots, messages_list, keys=keys)
+    checked.rows = 0
     if hasattr(llm, "clip"):
         checked.clip = llm.clip
-    WORKFLOWS[name](episodes, checked, task, **params)
+    return checked
 
 
-class _StageRefused(ValueError):
-    """A stage refused by _check_stage inside a workflow's own code: the dry run lets every
-    other error of the workflow pass, never this one."""
-
-
-def _check_stage(workflow: str, table: dict, role: str, slots: list, keys) -> None:
-    """A stage's role and slots are its registration's, and its rows have keys (see `stage`): a
-    call of an undeclared role would fail in the policy's routing, one in another role's slot
-    would share its advantage group, and unkeyed rows would draw by the order of calls, which a
-    resumed run or another rank does not repeat."""
+def _check_stage(workflow: str, task: str, table: dict, role: str, slots: list, messages_list: list, keys) -> None:
+    """A stage's role and slots are its registration's, its rows have keys and its prompts the
+    role's own instruction (all of which `stage` gives; a bare llm call need not): a call of an
+    undeclared role would fail in the policy's routing, one in another role's slot would share
+    its advantage group, unkeyed rows would draw by the order of calls (which a resumed run or
+    another rank does not repeat), and another role's instruction would leave its own unused."""
+    fix = "make it through stage(llm, task, role, owners, ...)"
     if role not in table:
-        raise _StageRefused(f"workflow {workflow!r} calls the role {role!r}, which its registration does not declare "
-                       f"(it declares {', '.join(table)}); add it: register({workflow!r}, ..., "
-                       f"slots={{..., {role!r}: (...)}})")
+        raise Broken(f"workflow {workflow!r} calls the role {role!r}, which its registration does not declare (it "
+                     f"declares {', '.join(table)}); add it: register({workflow!r}, ..., slots={{..., {role!r}: (...)}})")
     stray = next((s for s in slots if s not in table[role]), None)
     if stray is not None:
         whose = next((f", the {r}'s" for r, names in table.items() if stray in names), ", which it does not declare")
-        raise _StageRefused(f"workflow {workflow!r} calls the {role} in slot {stray!r}{whose}; a role calls only in its "
-                       f"own slots ({', '.join(table[role])}): declare them in register({workflow!r}, ..., "
-                       f"slots={{{role!r}: (...)}})")
+        raise Broken(f"workflow {workflow!r} calls the {role} in slot {stray!r}{whose}; a role calls only in its own "
+                     f"slots ({', '.join(table[role])}): declare them in register({workflow!r}, ..., "
+                     f"slots={{{role!r}: (...)}})")
     if keys is None:
-        raise _StageRefused(f"workflow {workflow!r} calls llm({role!r}, ...) without row keys, so its draws would follow "
-                       f"the order of calls, which a resumed run or another rank does not repeat; call it through "
-                       f"stage(llm, role, slots, messages_list, owners)")
+        raise Broken(f"workflow {workflow!r} calls llm({role!r}, ...) without row keys, so its draws would follow the "
+                     f"order of calls, which a resumed run or another rank does not repeat; {fix}")
+    own = {instruction(role, task)} | ({taskkinds.get(task).revision()} if ROLE_KINDS[role] == "solution" else set())
+    systems = [m[0].get("content") if m and isinstance(m[0], dict) else m for m in messages_list]
+    other = next((text for text in systems if text not in own), None)
+    if other is not None:
+        raise Broken(f"workflow {workflow!r} calls the {role} with the system message {taskkinds.shortened(other)}, "
+                     f"not the {role}'s instruction on {task}; {fix}, which builds every prompt from its role")
+
+
+def _check_books(workflow: str, episodes: list[Episode], rows: int, before: int) -> None:
+    """Once the workflow returns: every call it made is in its episode (once), and every episode
+    has its graded answer. A call held by no episode would never be trained (its role would
+    vanish from the metrics); an episode with no final_text would be graded as empty."""
+    held = sum(len(ep.calls) for ep in episodes) - before
+    if held != rows:
+        raise Broken(f"workflow {workflow!r} made {rows} llm calls, but its episodes hold {held} new ones; make every "
+                     f"call through stage(llm, task, role, owners, ...), which appends each to its episode, and "
+                     f"append none yourself")
+    missing = [ep.final_text for ep in episodes if not isinstance(ep.final_text, str)]
+    if missing:
+        got = "" if all(m is None for m in missing) else f" (a str; one is a {type(missing[0]).__name__})"
+        raise Broken(f"workflow {workflow!r} left {len(missing)} of {len(episodes)} episodes without a graded "
+                     f"answer{got}; set each episode's final_text (e.g. ep.final_text = call.text of the call that "
+                     f"answers)")
 
 
 def _dry_run(workflow: str, task: str, table: dict, params: dict) -> None:
     """Run the workflow on two episodes of an empty problem with an llm that writes nothing:
-    each stage is checked (_check_stage), and what its prompts hold is then fixed text alone,
-    every line of which must be a phrase (an instruction, a header) or keep the phrase rules and
-    be declared (_check_fixed). A workflow that fails on empty answers ends its dry run there,
-    unchecked beyond; run_workflow still checks each of its stages as it comes."""
+    each stage is checked (_check_stage), and its books once it returns (_check_books); what its
+    prompts hold is fixed text alone, every line of which must be a phrase (an instruction, a
+    header) or keep the phrase rules and be declared (_check_fixed). A workflow that fails on
+    empty answers ends its dry run there, unchecked beyond; run_workflow still checks each of its
+    stages as it comes, and its books."""
     fixed = {}
 
     def llm(role, slots, messages_list, keys=None):
-        _check_stage(workflow, table, role, slots, keys)
         for messages in messages_list:
             for m in messages:
                 lines = str(m.get("content", "")).split("\n") if isinstance(m, dict) else []
                 for line in filter(None, map(str.strip, lines)):
                     fixed.setdefault((role, m.get("role") == "system"), {})[line] = None
         return [Call(role=role, slot=slot, messages=messages) for slot, messages in zip(slots, messages_list)]
-    problem = {"id": "dry-run", "prompt": "", "source": "dry-run"}
+    problem, checked = {"id": "dry-run", "prompt": "", "source": "dry-run"}, _checked(workflow, task, table, llm)
+    episodes = [Episode(problem, g, stream=("dry-run",)) for g in range(2)]
     try:
-        WORKFLOWS[workflow]([Episode(problem, g, stream=("dry-run",)) for g in range(2)], llm, task, **params)
-    except _StageRefused as e:
+        WORKFLOWS[workflow](episodes, checked, task, **params)
+        _check_books(workflow, episodes, checked.rows, 0)
+    except Broken as e:
         raise ValueError(str(e)) from None
     except Exception:   # noqa: BLE001 -- the workflow's own limits on empty answers are not a refusal
         pass

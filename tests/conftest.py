@@ -28,7 +28,8 @@ def no_long_run_in_the_repository(monkeypatch):
 
 
 BUILT_IN = ("single", "voting", "eval_opt", "orch_workers")   # the built-in workflows
-TASKS = ("math", "code")                                     # the built-in task kinds
+SHIPPED_KINDS = ("math", "code", "arith")                    # the task kinds taskkinds.py ships
+TASKS = ("math", "code")                                     # the paper's task kinds, the toy world's
 
 
 def keep_built_in(set_attr=setattr):
@@ -42,17 +43,25 @@ def keep_built_in(set_attr=setattr):
     set_attr(workflows, "ROLE_KINDS", {r: k for r, k in workflows.ROLE_KINDS.items() if r in roles})
     set_attr(workflows, "ROLE_INSTRUCTIONS", {})   # the built-in workflows register none
     set_attr(workflows, "REPLACED", set())
-    set_attr(taskkinds, "TASK_KINDS", {t: taskkinds.TASK_KINDS[t] for t in TASKS})
+    set_attr(taskkinds, "TASK_KINDS", {t: taskkinds.TASK_KINDS[t] for t in SHIPPED_KINDS})
     set_attr(taskkinds, "REPLACED", set())
 
 
-@pytest.fixture
-def registries(monkeypatch):
-    """Scratch workflow and task-kind registries that hold the built-in ones alone, for the
-    test's own registrations, restored after it: what a fork registers in workflows.py or
-    taskkinds.py (a role named "judge", a kind named "parity", an instruction of its own) cannot
-    collide with a test's, and what a test registers leaves no trace in the tests after it."""
+@pytest.fixture(autouse=True)
+def built_in_world(monkeypatch):
+    """Every test reads scratch registries that hold the built-in world alone, restored after
+    it: what a fork registers at the end of workflows.py or taskkinds.py (a workflow "relay", a
+    kind "count") changes no test's choices, cells or counts, and what a test registers leaves
+    no trace in the tests after it. (A test that runs a script in a subprocess sees the fork's
+    registrations: tests/test_fork_checks.py runs the suite on a fork to keep that green.)"""
     keep_built_in(monkeypatch.setattr)
+
+
+@pytest.fixture
+def registries(built_in_world):
+    """The scratch registries a test registers into (built_in_world gives every test them; a
+    test that registers names this fixture to say so): a role named "judge", a kind named
+    "parity", an instruction of its own cannot collide with a fork's."""
 
 
 def tiny_qwen3(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, seed=0, eos=(1, 2)):

@@ -66,9 +66,9 @@ def test_the_kind_runs_every_workflow_at_real_scales_and_none_in_the_toy_world(t
     assert workflows.instruction("aggregator", "arith") == taskkinds.AGGREGATOR_MATH
     args = flags.parse_args(["--scale", "0.6b", "--task", "arith", "--out", str(tmp_path / "r")])
     assert (args.data, args.max_new_tokens) == ("arith", taskkinds.ARITH_MAX_NEW_TOKENS)
-    assert refused(capsys, ["--task", "arith", "--out", str(tmp_path / "t")]) == (
-        "error: --task arith has no default data set in the toy world; pass --data (a data set or a .jsonl file "
-        "of arith records) (see python train.py --help)")
+    assert refused(capsys, ["--task", "arith", "--out", str(tmp_path / "t")]) == (   # once, with the way out
+        "error: --task arith has no data in the toy world, which knows math and code alone; run it on a real model, "
+        "e.g. --scale smollm2-135m --data FILE (a .jsonl of arith records; README, Forking) (see python train.py --help)")
     assert "only know the toy tasks" in refused(capsys, ["--task", "arith", "--data", "arith", "--out", str(tmp_path / "t")])
 
 

@@ -513,10 +513,8 @@ def test_slots_follow_the_parameters_and_a_call_in_an_undeclared_slot_is_refused
         *(f"generator{k}" for k in range(8)), "aggregator"}
 
     def stray(episodes, llm, task):   # registered with one slot, calls in another
-        calls = W.stage(llm, "generator", ["generator9"] * len(episodes),
-                        [W.generator_messages(ep.problem, task) for ep in episodes], episodes)
-        for ep, call in zip(episodes, calls):
-            ep.calls.append(call)
+        for ep, call in zip(episodes, W.stage(llm, task, "generator", episodes, slots=["generator9"] * len(episodes))):
+            ep.final_text = call.text
     W.register("stray", stray, {"generator": "generator"})
     llm = FakeLLM(generator="x")
     with pytest.raises(ValueError) as e:         # the dry run at the start: before any call
@@ -561,3 +559,18 @@ def test_embedded_texts_are_clipped_but_the_graded_text_is_not():
         revisions = [user(m) for role, slots, ms in llm.log if role == "generator" for m in ms if W.ATTEMPT in user(m)]
         assert all(long not in r for r in revisions)
 
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_each_rows_key_is_the_index_its_call_takes_in_its_episode(name):
+    """The stage keys a row where it appends its call: (stream, problem id, rollout, index), so
+    no two calls of an episode share a key, and the keys are the ones the sampler always drew by
+    (a resumed run, another rank and the kept runs draw the same numbers)."""
+    eps = [Episode(problem=p, rollout=g, stream=("train", 7)) for p, g in ((MATH[0], 0), (MATH[0], 1), (MATH[1], 0))]
+    llm = FakeLLM(**WORKFLOW_REPLIES[name])
+    W.run_workflow(name, eps, llm, "math")
+    keyed = {key: (role, slot, messages) for (role, slots, messages_list), keys in zip(llm.log, llm.keys)
+             for slot, messages, key in zip(slots, messages_list, keys)}
+    held = {("train", 7, ep.problem_id, ep.rollout, i): (c.role, c.slot, c.messages)
+            for ep in eps for i, c in enumerate(ep.calls)}
+    assert keyed == held and sum(map(len, llm.keys)) == len(held) >= len(eps)
