@@ -169,15 +169,21 @@ def broken(run):
 
 # ----------------------------------------------------------------------------- evaluation
 
+EVAL_STEPS = 4   # an evaluation batch: this many training steps' episodes
+
+
 def run_eval(run, step):
     """Evaluate (each rank its share of the problems), log, and keep ckpt-best: the earliest
     step at the best accuracy, step 0 included."""
     import eval as ev
     problems = run.comm.share(run.test_set) if run.comm else run.test_set
     a = run.args
-    # its own stream of draws, ("eval", step), apart from training's; as many episodes at once
-    # as a training step runs, so evaluation fits where training fits
-    rec = ev.eval_record(run.llm, a.workflow, problems, a.task, step, batch_size=a.problems_per_step * a.group_size,
+    # its own stream of draws, ("eval", step), apart from training's, so the batch size moves no
+    # draw; EVAL_STEPS training steps' episodes at once: the sampler keeps within its KV budget
+    # whatever the batch, and a long answer then runs beside others instead of holding a small
+    # batch's last stage to itself
+    rec = ev.eval_record(run.llm, a.workflow, problems, a.task, step,
+                         batch_size=EVAL_STEPS * a.problems_per_step * a.group_size,
                          progress=not a.quiet, **run.params) if problems else None
     rec = ev.merge_records(run.comm.gather(rec)) if run.comm else rec
     if run.main:
