@@ -113,13 +113,16 @@ def axis_owners(flag):
     return list(owners) if owners else None
 
 
-def cells(wfs, tasks, sharings, scale, seeds, lrs=None, axes=()):
+def cells(wfs, tasks, sharings, scale, seeds, lrs=None, axes=(), skip=()):
     """(name, train.py flags) for every cell, in the order of the report. `axes`: (flag, values)
     pairs, each value a cell of its own, named by the flag and the value (`-n-voters5`); the
-    axis of a workflow's parameter only for the workflows that have it."""
+    axis of a workflow's parameter only for the workflows that have it. `skip`: (workflow, task)
+    pairs left out (left_out)."""
     tag = os.path.basename(os.path.normpath(scale))  # a model folder path names the cell by its last part
     out = []
     for wf, task in itertools.product(wfs, tasks):
+        if (wf, task) in skip:
+            continue
         shs = sharings if len(workflows.ROLES[wf]) > 1 else ["shared" if "shared" in sharings else sharings[0]]
         own = [(flag, values) for flag, values in axes if wf in (axis_owners(flag) or [wf])]
         for sh, lr, *point, seed in itertools.product(shs, lrs or [None], *(values for _, values in own), seeds):
@@ -249,6 +252,19 @@ def default_axes(wfs, tasks, scale):
     return out_wfs, out_tasks
 
 
+def left_out(wfs, tasks, given: bool) -> set:
+    """(workflow, task) pairs of a matrix that the registry leaves unwritten (a role with no
+    instruction on the task: workflows.unwritten), each said in one line, where the sweep chose
+    the workflows or the tasks itself; where both were named (`given`) the cell's refusal stands."""
+    out = set()
+    for wf, task in itertools.product(wfs, tasks):
+        why = None if given else workflows.unwritten(wf, task)
+        if why:
+            print(f"sweep: leaving out {wf} on --task {task}: {why}", file=sys.stderr)
+            out.add((wf, task))
+    return out
+
+
 def parse_args(argv=None):
     """(flags, the train.py flags given after `--`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -292,15 +308,17 @@ def parse_args(argv=None):
 
     if args.jobs < 1:
         p.error("--jobs must be at least 1")
+    given = bool(args.workflows and args.tasks)
     args.workflows, args.tasks = default_axes(args.workflows, args.tasks, args.scale)
+    args.skip = left_out(args.workflows, args.tasks, given)
     args.axes = [parse_axis(p, a) for a in args.axis]
     flags_of_axes = tuple(f for f, _ in args.axes)
     check_axes(p, flags_of_axes, args.workflows)
     check_extra(p, extra, CELL_FLAGS + (("--lr",) if args.lrs else ()) + flags_of_axes)
     for name in ("workflows", "tasks", "sharings", "seeds", "lrs"):  # a value given twice is one cell
         setattr(args, name, getattr(args, name) and list(dict.fromkeys(getattr(args, name))))
-    check_cells(p, cells(args.workflows, args.tasks, args.sharings, args.scale, args.seeds, args.lrs, args.axes),
-                extra)
+    check_cells(p, cells(args.workflows, args.tasks, args.sharings, args.scale, args.seeds, args.lrs, args.axes,
+                         args.skip), extra)
     args.out = os.path.abspath(args.out)  # runs and report under the same folder, whatever the cwd
     return args, extra
 
@@ -418,7 +436,7 @@ def run_phase(jobs, n_workers, desc, total, done, hits):
 
 def plan(args, extra):
     """(every cell of the matrix, jobs of the cells still to run, the toy builds they need)."""
-    matrix = cells(args.workflows, args.tasks, args.sharings, args.scale, args.seeds, args.lrs, args.axes)
+    matrix = cells(args.workflows, args.tasks, args.sharings, args.scale, args.seeds, args.lrs, args.axes, args.skip)
     jobs = []
     for name, flags in matrix:
         cmd = command(name, flags, args.out, extra)

@@ -256,6 +256,18 @@ def _check_instruction_of(workflow: str, role: str, kind) -> None:
                          f"{' and '.join(kind.default_for) or 'no role'}; give it one: {_fix(workflow, role, kind.name)}")
 
 
+def unwritten(workflow: str, task: str) -> str | None:
+    """Why `workflow` cannot run on `task` for want of an instruction written for one of its
+    roles (check_run's first refusal of that kind, in one line), or None: sweep.py leaves such a
+    cell of a default matrix out, where a run named on the command line is refused."""
+    try:
+        for role in ROLES[workflow]:
+            _check_instruction_of(workflow, role, taskkinds.get(task))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def replaced(workflow: str, task: str) -> list[str]:
     """A line for the workflow and the task kind of a run when a registration replaced the one
     of that name on purpose (replace=True): the run's start says so."""

@@ -272,3 +272,26 @@ def test_cells_do_not_outlive_a_killed_sweep(tiny, tmp_path):
     wait_for(lambda: ended(child), 60, "the orphaned cell to stop")
     # the kernel's SIGINT (PR_SET_PDEATHSIG) let it save, as a Ctrl-C would
     assert "interrupted: saved" in (out / "logs" / f"{CELL}.log").read_text()
+
+
+def test_a_default_matrix_leaves_out_a_cell_whose_role_has_no_instruction_on_the_task(capsys):
+    """A fork's workflow whose new role has instructions on math alone: the default sweep at a
+    real scale runs it on math and leaves out its other kinds' cells in one line each, where a
+    matrix naming both the workflow and the task is refused as train.py refuses it."""
+    import workflows
+
+    def drafted(episodes, llm, task):
+        for ep, call in zip(episodes, workflows.stage(llm, task, "drafter", episodes)):
+            ep.final_text = call.text
+
+    workflows.register("drafted", drafted, {"drafter": ("drafter",)}, kinds={"drafter": "solution"},
+                       instructions={("drafter", "math"): "Draft a worked answer. End with \\boxed{answer}."})
+    args, _ = sweep.parse_args(["--dry-run", "--scale", "0.6b", "--workflows", "drafted", "single"])
+    err = capsys.readouterr().err
+    assert ("drafted", "code") in args.skip and ("drafted", "math") not in args.skip
+    assert "sweep: leaving out drafted on --task code: workflow 'drafted' on task 'code': the drafter has no " \
+           "instruction of its own" in err
+    assert not any(wf == "single" for wf, _ in args.skip)
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--dry-run", "--scale", "0.6b", "--workflows", "drafted", "--tasks", "code"])
+    assert "cell drafted-code" in capsys.readouterr().err
