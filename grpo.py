@@ -3,8 +3,9 @@
 Objective minimised at each optimizer step, over the mini-batch M of one optimizer:
 
     L = mean_{i in M} mean_{t < |o_i|} l_it                                     (--loss-norm seq)
-    l_it = min*( max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high)) ) + beta_role k3_it
+    l_it = w_it min*( max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high)) ) + beta_role k3_it
     r_it = exp(logp_theta(o_it) - logp_old(o_it)),   min*(x) = min(x, c |A_i|) if A_i < 0 else x
+    w_it = min(exp(logp_old(o_it) - logp_sampler(o_it)), C) with --tis C, else 1 (no weight at all)
     k3_it = exp(logp_ref - logp_theta) - (logp_ref - logp_theta) - 1
     A_i  = (R_i - mean_g R) / (std_g R + 1e-6)  over the group g of i (unbiased std; a group of
            one has mean 0 and std 1, so A = R)
@@ -28,7 +29,18 @@ Each choice and the train.py flag that sets it (the flags fill a `Hyper`, fields
   base folds the adapter into the base weights, equal to the hooked forward within fp32
   rounding); the first mini-batch runs at those same weights, so `micro_loss` takes its rows'
   own logprobs, detached, as theirs and returns them.
-- temperature: logits / `--temperature` in the trainer exactly as in the sampler.
+- w_it, the sampler's drift corrected (`--tis C`, default 0: off): the tokens were drawn by the
+  sampler, whose logprobs differ from the trainer's for the same weights (another kernel, in
+  bf16 another rounding, compounding over long completions), so the loss's expectation is over
+  the wrong distribution; token-level truncated importance sampling (as verl and TRL do)
+  weights each token's policy term by p_old / p_sampler, capped at C (2 is verl's usual cap),
+  detached. Off by default because the paper trains without it and on fp32 (the toy world,
+  every CPU run) the weights are 1 within rounding, so it would only cost; on bf16 at the
+  paper's lengths turn it on. The drift itself is logged every step whether corrected or not
+  (`drift`: mean and largest |logp_old - logp_sampler|, a k3 estimate of KL(sampler ||
+  trainer), and the share of tokens whose ratio leaves [1/C, C], C = --tis or DRIFT_CAP).
+  With `--top-p` < 1 the sampler stores the logprob of the full distribution, not of the
+  truncated one it drew from, so the weight would be biased: flags.py refuses the pair.
 - one epoch; each optimizer's n samples are shuffled and cut into ceil(n / `--mini-batch`)
   mini-batches of near-equal size (512 each at the paper's settings), one AdamW step per
   mini-batch (so a role with more calls takes more steps under isolated), gradients
@@ -270,11 +282,12 @@ def sequence_logprobs(model, samples: list, temperature: float, token_budget: in
 # ----------------------------------------------------------------------------- objective
 
 def objective(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float, clip_c: float,
-              loss_norm: str, denom: float, ref_logp=None, kl_coef: float = 0.0):
+              loss_norm: str, denom: float, ref_logp=None, kl_coef: float = 0.0, tis=None):
     """This micro-batch's part of the mini-batch loss (the parts sum to the mini-batch loss).
 
     logp, old_logp, ref_logp, mask: (B, T); adv: (B,). `denom` is the mini-batch's number of
-    sequences (loss_norm "seq") or of completion tokens ("token").
+    sequences (loss_norm "seq") or of completion tokens ("token"). `tis` (B, T), detached: each
+    token's policy term is weighted by it (`tis_weights`); None weighs nothing, not even by 1.
     Returns (loss, per-token loss (B, T), ratio (B, T), clipped (B, T) bool, k3 (B, T) or None)."""
     m = mask.float()
     a = adv[:, None]                                                   # (B, 1)
@@ -288,6 +301,8 @@ def objective(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float, c
     tok = torch.where(a < 0, capped, pg)                               # (B, T)
     # a token whose loss no longer follows -A r gets no policy gradient: that is "clipped"
     clipped = ((surr_clip > surr) | ((a < 0) & (pg > clip_c * a.abs()))) & mask
+    if tis is not None:   # the policy term only, as verl does; the KL-to-base term keeps its own estimator
+        tok = tok * tis
     k3 = None
     if ref_logp is not None and kl_coef:
         d = ref_logp - logp
@@ -301,6 +316,27 @@ def objective(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float, c
     else:
         raise ValueError(f"loss_norm must be seq or token, got {loss_norm!r}")
     return loss, tok, ratio, clipped, k3
+
+
+def tis_weights(old_logp, sampler_logp, cap: float):
+    """min(p_old / p_sampler, cap) per token (B, T), no grad: truncated importance sampling at the
+    token level. The tokens were drawn by the sampler, whose numbers differ from the trainer's;
+    the ratio reweights the loss's expectation to the trainer's old policy, and the cap bounds
+    the variance a token whose sampler logprob is far too low could add."""
+    with torch.no_grad():
+        return torch.exp((old_logp - sampler_logp).clamp(max=math.log(cap)))
+
+
+def drift(old_logp, sampler_logp, cap: float) -> list:
+    """The sampler's drift from the trainer over one row's tokens (1-D each), as additive sums
+    and one max: [sum |d|, max |d|, sum k3, tokens whose ratio p_old / p_sampler leaves
+    [1/cap, cap], tokens], d = logp_old - logp_sampler. k3 = exp(d) - d - 1 estimates
+    KL(sampler || trainer) from the sampler's own draws (>= 0, unbiased)."""
+    d = (old_logp - sampler_logp).double()
+    if not len(d):
+        return [0.0, 0.0, 0.0, 0, 0]
+    return [float(d.abs().sum()), float(d.abs().max()), float((d.exp() - d - 1).sum()),
+            int((d.abs() > math.log(cap)).sum()), len(d)]
 
 
 # ----------------------------------------------------------------------------- optimizers
@@ -352,6 +388,9 @@ def step_schedulers(schedulers) -> None:
 
 # ----------------------------------------------------------------------------- the update
 
+DRIFT_CAP = 2.0   # the share of tokens whose sampler/trainer ratio leaves [1/2, 2] is logged without --tis
+
+
 @dataclass
 class Hyper:
     """The update's hyper-parameters; train.py fills them from its flags of the same names."""
@@ -366,12 +405,20 @@ class Hyper:
     max_grad_norm: float = 1.0      # 0: no clipping
     token_budget: int = 8192        # padded tokens per micro-batch
     skip_zero: bool = True          # skip rows with no gradient (see rows_to_run)
+    tis: float = 0.0                # cap C of the tokens' truncated importance weights; 0: none
+
+    @property
+    def drift_cap(self) -> float:
+        """C of the drift's out-of-range share: the --tis cap, else DRIFT_CAP."""
+        return self.tis or DRIFT_CAP
 
     def __post_init__(self):
         if self.loss_norm not in ("seq", "token"):
             raise ValueError(f"loss_norm must be seq or token, got {self.loss_norm!r}")
         if self.mini_batch < 1:
             raise ValueError("mini_batch must be >= 1")
+        if self.tis and self.tis <= 1:
+            raise ValueError(f"tis must be 0 (off) or a cap above 1, got {self.tis}")
 
     def kl(self, role: str) -> float:
         return float(self.kl_coef_role.get(role, self.kl_coef))
@@ -508,11 +555,22 @@ def micro_loss(model, samples, rows, old: dict, base: dict, hp: Hyper, denom):
             else {i: old[i] for i in rows})
     T, dev = logp.shape[1], logp.device
     adv = torch.tensor([samples[i].advantage for i in rows], device=dev, dtype=torch.float32)   # (B,)
+    old_logp = _padded([used[i][0] for i in rows], T, dev)                                      # (B, T)
+    tis = tis_weights(old_logp, _padded([sampler_logprobs(samples[i], used[i][0]) for i in rows], T, dev),
+                      hp.tis) if hp.tis else None                                               # (B, T)
     loss, _, ratio, clipped, k3 = objective(
-        logp, _padded([used[i][0] for i in rows], T, dev), adv, mask, clip_low=hp.clip_low,
-        clip_high=hp.clip_high, clip_c=hp.clip_c, loss_norm=hp.loss_norm, denom=denom,
-        ref_logp=_padded([base[i] for i in rows], T, dev) if beta else None, kl_coef=beta)
+        logp, old_logp, adv, mask, clip_low=hp.clip_low, clip_high=hp.clip_high, clip_c=hp.clip_c,
+        loss_norm=hp.loss_norm, denom=denom, ref_logp=_padded([base[i] for i in rows], T, dev) if beta else None,
+        kl_coef=beta, tis=tis)
     return loss, (mask, ratio, clipped, k3), used
+
+
+def sampler_logprobs(sample, old_logp):
+    """The sampler's logprobs of a row's tokens as a tensor like `old_logp` (1-D); a row that
+    carries none (a sampler that does not record them) gets `old_logp` itself: weight 1."""
+    if len(sample.sampler_logprobs) != len(sample.completion_ids):
+        return old_logp
+    return torch.tensor(sample.sampler_logprobs, dtype=old_logp.dtype, device=old_logp.device)
 
 
 def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, reduce=None, probe=None,

@@ -106,8 +106,9 @@ def test_samples_from_episodes_slot_and_role_groups():
 
 # ----------------------------------------------------------------------------- objective
 
-def _naive(lp, old, adv, mask, ref, beta, norm, cl=0.2, ch=0.28, c=3.0):
-    """Per-token Python floats: loss, d loss / d logp, number of clipped tokens."""
+def _naive(lp, old, adv, mask, ref, beta, norm, cl=0.2, ch=0.28, c=3.0, tis=None):
+    """Per-token Python floats: loss, d loss / d logp, number of clipped tokens; `tis` the
+    truncated importance weights of the policy term (None: 1)."""
     B, T = len(lp), len(lp[0])
     n_tok = sum(map(sum, mask))
     loss, grad, n_clip = 0.0, [[0.0] * T for _ in range(B)], 0
@@ -124,6 +125,8 @@ def _naive(lp, old, adv, mask, ref, beta, norm, cl=0.2, ch=0.28, c=3.0):
                 l, g, n_clip = c * abs(A), 0.0, n_clip + 1
             elif sc > surr:                   # clip-low / clip-high
                 g, n_clip = 0.0, n_clip + 1
+            if tis is not None:
+                l, g = tis[i][t] * l, tis[i][t] * g
             if beta:
                 d = ref[i][t] - lp[i][t]
                 l += beta * (math.exp(d) - d - 1)
@@ -164,6 +167,79 @@ def test_objective_equals_naive_reference(norm, beta):
                             loss_norm=norm, denom=denom, ref_logp=ref[s], kl_coef=beta)[0]
              for s in (slice(0, 2), slice(2, B))]
     assert float(sum(parts)) == pytest.approx(n_loss, rel=1e-10)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3])
+def test_tis_weighted_loss_equals_hand_computation(beta):
+    """--tis C: each token's policy term times min(exp(old - sampler), C), the KL term unweighted."""
+    g = torch.Generator().manual_seed(2)
+    B, T, C = 4, 5, 2.0
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp - torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
+    sampler = old - torch.tensor([-2.0, -0.5, 0.0, 0.3, 1.5], dtype=torch.float64)   # ratios e^-2 .. e^1.5
+    ref = logp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5
+    adv = torch.tensor([1.1, -0.6, -1.7, 0.4], dtype=torch.float64)
+    mask = torch.arange(T)[None, :] < torch.tensor([5, 2, 4, 5])[:, None]
+    w = grpo.tis_weights(old, sampler, C)
+    hand = [[min(math.exp(o - s), C) for o, s in zip(ro, rs)] for ro, rs in zip(old.tolist(), sampler.tolist())]
+    assert torch.allclose(w, torch.tensor(hand, dtype=torch.float64), rtol=1e-12)
+    assert float(w.max()) == pytest.approx(C) and float(w.min()) == pytest.approx(math.exp(-2.0))
+    x = logp.clone().requires_grad_(True)
+    loss = grpo.objective(x, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_c=3.0, loss_norm="seq",
+                          denom=B, ref_logp=ref, kl_coef=beta, tis=w)[0]
+    loss.backward()
+    n_loss, n_grad, _ = _naive(logp.tolist(), old.tolist(), adv.tolist(), mask.int().tolist(), ref.tolist(),
+                               beta, "seq", tis=hand)
+    assert loss.item() == pytest.approx(n_loss, rel=1e-10)
+    assert torch.allclose(x.grad, torch.tensor(n_grad, dtype=torch.float64), atol=1e-12)
+    plain = grpo.objective(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_c=3.0, loss_norm="seq",
+                           denom=B, ref_logp=ref, kl_coef=beta)[0]
+    assert plain.item() != pytest.approx(n_loss, rel=1e-3)   # the weights did something
+
+
+def test_micro_loss_weights_tokens_by_the_sampler_ratio():
+    """The update's wiring of --tis: the sampler's stored logprobs against the old ones."""
+    pol = make_policy(("generator",), "shared")
+    S = sampled(pol, [("generator", "generator0", [3, 4, 5], 1.0), ("generator", "generator1", [6, 7], -1.0)])
+    S[0].sampler_logprobs = [x - 0.4 for x in S[0].sampler_logprobs]    # p_old / p_sampler = e^0.4
+    S[1].sampler_logprobs = [x + 3.0 for x in S[1].sampler_logprobs]    # e^-3
+    hp = grpo.Hyper(temperature=TEMP, tis=1.3)
+    with pol.using("shared") as m:
+        loss, _, used = grpo.micro_loss(m, S, [0, 1], {}, {}, hp, 2)
+        logp, _, mask = grpo.batch_logprobs(m, [s.prompt_ids for s in S], [s.completion_ids for s in S], TEMP)
+    T = logp.shape[1]
+    old = grpo._padded([used[i][0] for i in (0, 1)], T, logp.device)
+    w = torch.tensor([[1.3], [math.exp(-3.0)]]).expand(2, T)     # e^0.4 = 1.49 is capped at 1.3
+    want = grpo.objective(logp, old, torch.tensor([1.0, -1.0]), mask, clip_low=0.2, clip_high=0.28, clip_c=3.0,
+                          loss_norm="seq", denom=2, tis=w)[0]
+    assert loss.item() == pytest.approx(want.item(), rel=1e-4)
+    plain = grpo.micro_loss(pol.model, S, [0, 1], {}, {}, grpo.Hyper(temperature=TEMP), 2)[0]
+    assert loss.item() != pytest.approx(plain.item(), rel=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampler_drift_and_tis_weights_by_dtype(dtype):
+    """bf16 on a CPU: the sampler's incremental decode and the trainer's whole-row forward round
+    differently, so the gap is not 0 and the weights need their cap; fp32: weights 1."""
+    pol = make_policy(("generator",), "shared")
+    pol.model.to(dtype)
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18]] * 2
+    with torch.no_grad(), pol.using("shared") as m:
+        gen = engine.generate(m, prompts, 24, STOP, PAD, temperature=TEMP, seed=5)
+        S = [grpo.Sample("generator", "g", "p", p, gen.tokens[i, :n].tolist(), gen.logprobs[i, :n].tolist(), True,
+                         1.0, 1.0) for i, (p, n) in enumerate(zip(prompts, gen.mask.sum(1).tolist()))]
+        old, _ = grpo.sequence_logprobs(m, S, TEMP)
+    C = 1.02
+    gaps = [grpo.drift(o, grpo.sampler_logprobs(s, o), C) for o, s in zip(old, S)]
+    w = torch.cat([grpo.tis_weights(o, grpo.sampler_logprobs(s, o), C) for o, s in zip(old, S)])
+    largest = max(g[1] for g in gaps)
+    assert float(w.max()) <= C * (1 + 1e-6)
+    if dtype == torch.float32:
+        assert largest < 1e-4 and torch.allclose(w, torch.ones_like(w), atol=1e-4)
+        assert sum(g[3] for g in gaps) == 0
+    else:
+        assert largest > 1e-3 and sum(g[2] for g in gaps) > 0          # a gap, and a KL estimate above 0
+        assert float((w - 1).abs().max()) > 1e-3
 
 
 def test_token_logprobs_chunked_equals_log_softmax(monkeypatch):
