@@ -98,6 +98,8 @@ class RoleDynamics(grpo.Probe):
     the step's metrics. With `damp` (the damping.CoherenceDamp the update is given) it also
     reports the damping's cosines and scales."""
 
+    entropy = True   # the old logprobs' entropies are logged (`entropy`)
+
     def __init__(self, policy, comm=None, damp=None):
         self.policy, self.comm, self.damp = policy, comm, damp
         self.stats = defaultdict(float)        # (role, field) -> token counts and sums

@@ -403,7 +403,7 @@ def hyper(args):
 
     import grpo
     return grpo.Hyper(**{f.name: getattr(args, f.name) for f in dataclasses.fields(grpo.Hyper)
-                         if f.name != "skip_zero"})
+                         if f.name not in ("skip_zero", "packing")})
 
 
 def _check_device(ap, device):

@@ -81,6 +81,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+import packed
+
 
 @dataclass
 class Sample:
@@ -246,19 +248,21 @@ def batch_logprobs(model, prompts: list, completions: list, temperature: float,
     return lp, ent, cmask
 
 
-def forward_batches(samples: list, rows: list, token_budget: int) -> list:
+def forward_batches(samples: list, rows: list, token_budget: int, packing: bool = False) -> list:
     """The micro-batches of one forward and backward each: `rows` (indices into samples) split
-    into lists whose rows x padded length (longest prompt + longest completion) fits
-    token_budget; sorted by length so rows of a batch are alike. A row longer than the budget
-    gets a micro-batch of its own."""
+    into lists whose tokens fit token_budget: rows x padded length (longest prompt + longest
+    completion), or with `packing` the rows' own tokens; sorted by length so rows of a batch
+    are alike. A row longer than the budget gets a micro-batch of its own."""
     order = sorted(rows, key=lambda i: (len(samples[i].prompt_ids) + len(samples[i].completion_ids),
                                         len(samples[i].prompt_ids)), reverse=True)
-    out, cur, P, T = [], [], 0, 0
+    out, cur, P, T, own = [], [], 0, 0, 0
     for i in order:
         p, t = max(P, len(samples[i].prompt_ids)), max(T, len(samples[i].completion_ids))
-        if cur and (len(cur) + 1) * (p + t) > token_budget:
+        own += len(samples[i].prompt_ids) + len(samples[i].completion_ids)
+        if cur and (own if packing else (len(cur) + 1) * (p + t)) > token_budget:
             out.append(cur)
             cur, p, t = [], len(samples[i].prompt_ids), len(samples[i].completion_ids)
+            own = p + t
         cur.append(i)
         P, T = p, t
     if cur:
@@ -266,16 +270,32 @@ def forward_batches(samples: list, rows: list, token_budget: int) -> list:
     return out
 
 
-def sequence_logprobs(model, samples: list, temperature: float, token_budget: int = 8192):
+def row_logprobs(model, prompts: list, completions: list, temperature: float, entropy: bool = False,
+                 packing: bool = True):
+    """(logp (B, T), entropy (B, T) or None, mask (B, T)) of a micro-batch, as batch_logprobs
+    returns them, through the packed forward (packed.py: no pad token, the head only at
+    completion positions) where `packing` and the model allow, else through batch_logprobs."""
+    if not packed.used(model, packing):
+        return batch_logprobs(model, prompts, completions, temperature, entropy=entropy)
+    lp, ent = packed.logprobs(model, prompts, completions, temperature, entropy=entropy)   # (n,) each
+    n = torch.tensor([len(c) for c in completions], device=lp.device)                     # (B,)
+    mask = torch.arange(int(n.max()), device=lp.device)[None, :] < n[:, None]               # (B, T)
+    return (lp.new_zeros(mask.shape).masked_scatter(mask, lp),
+            ent.new_zeros(mask.shape).masked_scatter(mask, ent) if ent is not None else None, mask)
+
+
+def sequence_logprobs(model, samples: list, temperature: float, token_budget: int = 8192, entropy: bool = True,
+                      packing: bool = True):
     """Per-sample fp32 logprobs of the completion tokens (list of 1-D tensors, in the order of
-    `samples`) and their entropies (same shape, no grad). Grad flows if grad is enabled."""
+    `samples`) and their entropies (same shape, no grad; None each without `entropy`). Grad
+    flows if grad is enabled."""
     lps, ents = [None] * len(samples), [None] * len(samples)
-    for mb in forward_batches(samples, list(range(len(samples))), token_budget):
-        lp, ent, _ = batch_logprobs(model, [samples[i].prompt_ids for i in mb],
-                                    [samples[i].completion_ids for i in mb], temperature, entropy=True)
+    for mb in forward_batches(samples, list(range(len(samples))), token_budget, packing):
+        lp, ent, _ = row_logprobs(model, [samples[i].prompt_ids for i in mb], [samples[i].completion_ids for i in mb],
+                                  temperature, entropy=entropy, packing=packing)
         for r, i in enumerate(mb):
             n = len(samples[i].completion_ids)
-            lps[i], ents[i] = lp[r, :n], ent[r, :n]
+            lps[i], ents[i] = lp[r, :n], ent[r, :n] if ent is not None else None
     return lps, ents
 
 
@@ -405,6 +425,7 @@ class Hyper:
     max_grad_norm: float = 1.0      # 0: no clipping
     token_budget: int = 8192        # padded tokens per micro-batch
     skip_zero: bool = True          # skip rows with no gradient (see rows_to_run)
+    packing: bool = True            # the packed forward (packed.py) where the model allows
     tis: float = 0.0                # cap C of the tokens' truncated importance weights; 0: none
 
     @property
@@ -427,7 +448,9 @@ class Hyper:
 class Probe:
     """The seam through which diagnostics read the update; a probe only reads (removing it
     leaves the same weights). `update` calls these hooks in this order; every one does nothing
-    here."""
+    here. `entropy`: whether the old logprobs it reads come with their entropies (None each
+    without; they cost a softmax pass over the vocabulary)."""
+    entropy = False
 
     def begin(self, samples, runs):
         """Before the first adapter: the rows and which of them run."""
@@ -478,16 +501,18 @@ def rows_to_run(samples, hp: Hyper) -> list:
 
 
 @torch.no_grad()
-def old_logprobs(policy, samples, rows: list, hp: Hyper) -> dict:
-    """{i: (old logprob, entropy)}, 1-D tensors, of rows `rows`: a no-grad forward under each
-    row's adapter before any parameter moves (which rows: logp_old in the module docstring)."""
+def old_logprobs(policy, samples, rows: list, hp: Hyper, entropy: bool = True) -> dict:
+    """{i: (old logprob, entropy or None)}, 1-D tensors, of rows `rows`: a no-grad forward under
+    each row's adapter before any parameter moves (which rows: logp_old in the module docstring),
+    laid out as the training forward lays them out (hp.packing)."""
     by_name = defaultdict(list)
     for i in rows:
         by_name[policy.adapter(samples[i].role)].append(i)
     out = {}
     for name, idx in by_name.items():
         with policy.inference(name) as model:
-            lps, ents = sequence_logprobs(model, [samples[i] for i in idx], hp.temperature, hp.token_budget)
+            lps, ents = sequence_logprobs(model, [samples[i] for i in idx], hp.temperature, hp.token_budget,
+                                          entropy, hp.packing)
         out.update((i, (lp, e)) for i, lp, e in zip(idx, lps, ents))
     return out
 
@@ -499,7 +524,8 @@ def base_logprobs(policy, samples, rows: list, hp: Hyper) -> dict:
     if not rows:
         return {}
     with policy.inference(None) as model:
-        lps, _ = sequence_logprobs(model, [samples[i] for i in rows], hp.temperature, hp.token_budget)
+        lps, _ = sequence_logprobs(model, [samples[i] for i in rows], hp.temperature, hp.token_budget, False,
+                                   hp.packing)
     return dict(zip(rows, lps))
 
 
@@ -541,18 +567,18 @@ def _padded(ts, T, dev):
     return out
 
 
-def micro_loss(model, samples, rows, old: dict, base: dict, hp: Hyper, denom):
+def micro_loss(model, samples, rows, old: dict, base: dict, hp: Hyper, denom, entropy: bool = True):
     """The loss of one micro-batch (one slot, so one role) as its part of the mini-batch loss,
     its per-token (mask, ratio, clipped, k3), and the old logprobs and entropies it used, per
     row: `old`'s {i: (logprob, entropy)}, or for a row not in it its own, detached (logp_old in
-    the module docstring). `base` {i: logprob}: the KL reference."""
+    the module docstring), with its entropy if `entropy`. `base` {i: logprob}: the KL reference."""
     beta, first = hp.kl(samples[rows[0]].role), rows[0] not in old
-    logp, entropy, mask = batch_logprobs(model, [samples[i].prompt_ids for i in rows],
-                                         [samples[i].completion_ids for i in rows], hp.temperature,
-                                         entropy=first)                                         # (B, T)
+    logp, ent, mask = row_logprobs(model, [samples[i].prompt_ids for i in rows],
+                                   [samples[i].completion_ids for i in rows], hp.temperature,
+                                   entropy=first and entropy, packing=hp.packing)                # (B, T)
     n = [len(samples[i].completion_ids) for i in rows]
-    used = ({i: (logp[r, :n[r]].detach(), entropy[r, :n[r]]) for r, i in enumerate(rows)} if first
-            else {i: old[i] for i in rows})
+    used = ({i: (logp[r, :n[r]].detach(), ent[r, :n[r]] if ent is not None else None) for r, i in enumerate(rows)}
+            if first else {i: old[i] for i in rows})
     T, dev = logp.shape[1], logp.device
     adv = torch.tensor([samples[i].advantage for i in rows], device=dev, dtype=torch.float32)   # (B,)
     old_logp = _padded([used[i][0] for i in rows], T, dev)                                      # (B, T)
@@ -588,7 +614,7 @@ def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, red
     runs = [r and policy.adapter(s.role) in names for r, s in zip(rows_to_run(samples, hp), samples)]
     plan = {name: optimizer_batches(adapter_rows(policy, samples, name, shuffle), hp.mini_batch) for name in names}
     later = sorted(i for mbs in plan.values() for mb in mbs[1:] for i in mb if runs[i])   # in the samples' order
-    old = old_logprobs(policy, samples, later, hp)
+    old = old_logprobs(policy, samples, later, hp, probe.entropy)
     base = base_logprobs(policy, samples, [i for i, s in enumerate(samples) if runs[i] and hp.kl(s.role)], hp)
     probe.begin(samples, runs)
     probe.old_logprobs(old)
@@ -600,10 +626,11 @@ def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, red
             for p in params:  # zeros, not None: a mini-batch with nothing to run still steps AdamW
                 p.grad = torch.zeros_like(p)
             for (role, slot), slot_rows in by_slot(samples, mb, policy.roles):
-                for micro in forward_batches(samples, [i for i in slot_rows if runs[i]], hp.token_budget):
-                    # the backward runs under the adapter too: checkpointed layers recompute in it
-                    with policy.using(name) as model:
-                        loss, per_token, used = micro_loss(model, samples, micro, old, base, hp, denom)
+                for micro in forward_batches(samples, [i for i in slot_rows if runs[i]], hp.token_budget, hp.packing):
+                    # the backward runs under the adapter and the packed attention too: checkpointed
+                    # layers recompute in it
+                    with policy.using(name) as model, packed.attention(model, hp.packing):
+                        loss, per_token, used = micro_loss(model, samples, micro, old, base, hp, denom, probe.entropy)
                         loss.backward()
                     if micro[0] not in old:       # the first mini-batch's, from its own forward
                         old.update(used)

@@ -288,6 +288,68 @@ def test_recomputed_logprobs_equal_sampler_logprobs():
             assert bool((e > 0).all())
 
 
+@pytest.mark.parametrize("isolation", ["lora", "full"])
+def test_packed_forward_equals_the_padded_one(monkeypatch, isolation):
+    """packed.logprobs (no pad token, the head only at completion positions, in chunks) against
+    grpo.batch_logprobs (the plain layout): logprobs, entropies and the trainable weights'
+    gradients, with runs of equal-length rows and rows alone; a trainable head (full copies)
+    takes the backward that rebuilds its logits."""
+    import packed
+    monkeypatch.setattr(packed, "CHUNK_ELEMS", 64 * 5)   # 5 rows a chunk: several chunks
+    pol = make_policy(("generator",), "shared") if isolation == "lora" else policies.Policy(
+        tiny_qwen3(), None, ("generator",), "shared", isolation="full")
+    prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21], [22]]
+    comps = [[30, 31, 32], [33, 34, 35, 36, 37, 38], [39, 40, 41, 42, 43, 44], [45, 46, 47, 48, 49, 50], [51], [52, 53]]
+    params = pol.parameters_of("shared")
+    out = []
+    for path in ("padded", "packed"):
+        for p in params:
+            p.grad = None
+        with pol.using("shared") as m:
+            if path == "padded":
+                lp, ent, mask = grpo.batch_logprobs(m, prompts, comps, TEMP, entropy=True)
+            else:
+                lp, ent, mask = grpo.row_logprobs(m, prompts, comps, TEMP, entropy=True)
+            w = torch.linspace(-1, 1, lp.numel()).view_as(lp)
+            (lp * w * mask).sum().backward()
+        out.append((lp.detach(), ent, mask, [p.grad.clone() for p in params if p.grad is not None]))
+    (lp0, e0, m0, g0), (lp1, e1, m1, g1) = out
+    assert torch.equal(m0, m1) and packed.row_runs([4, 4, 7, 7, 7, 2]) == ((0, 2, 4), (8, 3, 7), (29, 1, 2))
+    assert torch.allclose(lp0, lp1, atol=2e-5) and torch.allclose(e0, e1, atol=2e-5)
+    assert len(g0) == len(g1) and len(g0) > 0
+    for a, b in zip(g0, g1):   # elementwise, fp32 rounding of sums in another order
+        assert float((a - b).norm()) <= 1e-5 * float(a.norm()) + 1e-7
+    if isolation == "full":   # the head's own gradient went through the rebuilding backward
+        head = pol.copies["shared"].get_output_embeddings().weight
+        assert head.grad is not None and float(head.grad.norm()) > 0
+
+
+def test_packed_micro_batches_count_their_own_tokens():
+    S = [grpo.Sample("g", "g", "p", [3] * p, [4] * t, [], True, 0.0, 0.0)
+         for p, t in [(5, 3), (2, 9), (7, 7), (1, 1), (4, 4), (30, 10)]]
+    mbs = grpo.forward_batches(S, list(range(len(S))), token_budget=20, packing=True)
+    assert sorted(i for mb in mbs for i in mb) == list(range(len(S)))
+    for mb in mbs:
+        assert sum(len(S[i].prompt_ids) + len(S[i].completion_ids) for i in mb) <= 20 or len(mb) == 1
+    assert len(mbs) < len(grpo.forward_batches(S, list(range(len(S))), token_budget=20))
+
+
+def test_the_packed_update_equals_the_padded_one():
+    """A whole update, packed or through the plain layout, from the same weights: the same
+    weights after, within fp32 rounding (the toy run's samples do not move: its report)."""
+    after = []
+    for packing in (False, True):
+        pol = make_policy(("generator", "aggregator"), "shared")
+        S = sampled(pol, ROWS)
+        opts, scheds = grpo.make_optimizers(pol, lr=1e-2, warmup_steps=0, total_steps=10)
+        step(pol, opts, scheds, S, mini_batch=2, token_budget=16, packing=packing)
+        after.append(snapshot(pol.parameters_of("shared")))
+    assert any(not torch.equal(a, b) for a, b in zip(after[0], snapshot(make_policy(("generator", "aggregator"),
+                                                                                 "shared").parameters_of("shared"))))
+    for a, b in zip(*after):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- the update
 
 ROWS = [("generator", "generator0", [3, 4, 5], 1.0), ("generator", "generator1", [3, 4, 5], -1.0),
