@@ -139,7 +139,8 @@ def _optimisation_flags(g):
     g.add_argument("--token-budget", type=int, default=None, help="rows x padded length per micro-batch, at least one "
                    "row at the length limits" + scale_default("token_budget"))
     g.add_argument("--grad-checkpointing", default="auto", choices=["auto", "on", "off"],
-                    help="recompute each layer in the backward instead of keeping its activations (auto: on at real scales) (default: %(default)s)")
+                    help="recompute each layer in the backward instead of keeping its activations (auto: on only where a "
+                    "micro-batch's activations would not fit, policies.checkpointing_plan) (default: %(default)s)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping per optimizer step (default: %(default)s)")
     g.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below 1 (default: %(default)s)")
     g.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above 1, clip-higher (default: %(default)s)")

@@ -49,18 +49,24 @@ Each choice and the train.py flag that sets it (the flags fill a `Hyper`, fields
   cosine to 0 over `--steps`; under isolated a role's own lr with `--lr-role ROLE=VALUE`, where
   0 freezes the role.
 
-Three devices keep memory and time bounded without changing the gradient:
-- `token_logprobs`: the fp32 log-softmax is taken chunk by chunk by a small autograd function
-  whose backward rebuilds each chunk, so no (B, T, V) fp32 tensor is ever held;
-- `forward_batches`: rows of alike length packed up to `--token-budget` padded tokens;
+Devices that keep memory and time bounded without changing the gradient (beyond fp32 rounding):
+- the packed forward (packed.py, `row_logprobs`), used wherever the model allows (a decoder and
+  a plain linear head; `Hyper.packing`, on): no pad token, each row's attention over its own
+  keys only, the head only at completion positions, in chunks, with no (N, V) tensor;
+- `forward_batches`: rows of alike length cut into micro-batches of `--token-budget` tokens
+  (their own tokens when packed, rows x padded length otherwise);
 - `rows_to_run`: a row with advantage exactly 0 and no KL has a loss of -0 * ratio, so no
   gradient: it skips the old-logprob recompute and the training forward and backward, and
-  still counts in the denominators.
+  still counts in the denominators;
+- only the passes the loss needs: the reference forward only for rows whose role has a KL
+  coefficient, old logprobs only after the first mini-batch (above), in the training
+  forward's layout, and entropies only for a probe that logs them (`Probe.entropy`).
 
-Layout of the training forward (what rollout.generate_simple does): prompts left-padded to P,
-completions right after them (so every completion starts at column P) and right-padded to T;
-position_ids = cumsum(mask) - 1; the attention mask is always passed; the logprob of
-completion token t is read from the logits at position P-1+t.
+The plain layout, `batch_logprobs` (what rollout.generate_simple does; the reference the
+packed forward is tested against): prompts left-padded to P, completions right after them (so
+every completion starts at column P) and right-padded to T; position_ids = cumsum(mask) - 1;
+the attention mask is always passed; the logprob of completion token t is read from the logits
+at position P-1+t, chunk by chunk by `token_logprobs` (no (B, T, V) fp32 tensor held).
 
 Under torchrun each optimizer step's gradient is summed over the ranks inside `update`, by the
 `reduce` it is given (parallel.Comm.reduce_grads), so N ranks take the steps one process holding

@@ -19,9 +19,10 @@ Choices, each a flag of train.py:
   role type (the 3 voters share "generator", all workers share "worker").
 - `--isolation full`: instead of adapters, a full trainable copy of the model per adapter name
   (small models only); the loaded model stays frozen as the base.
-- `--grad-checkpointing`: `checkpoint_layers` recomputes each decoder layer in the backward
-  (on by default at real scales, where a long micro-batch's activations would not fit;
-  bench/memory.py counts them with and without, docs/REAL_MODELS.md).
+- `--grad-checkpointing`: `checkpoint_layers` recomputes each decoder layer in the backward;
+  `auto` (the default) turns it on only where a micro-batch's activations would not fit
+  (`checkpointing_plan`, said in the memory plan's line), since the recompute is a third more
+  FLOPs (bench/memory.py counts the memory with and without, docs/REAL_MODELS.md).
 - The active adapter is one name for the whole batch, or `None` for the base.
 - Adapters are saved in PEFT's file layout (adapter_config.json + adapter_model.safetensors with
   keys `base_model.model.<module>.lora_A.weight`), so peft and vLLM's multi-LoRA serving load a
@@ -164,6 +165,38 @@ def checkpoint_layers(model) -> None:
                 return checkpoint(_f, *args, use_reentrant=False, **kwargs)
             return _f(*args, **kwargs)
         layer.forward, layer._checkpointed = forward, True
+
+
+ACTIVATION_SHARE = 0.5   # share of the free memory a micro-batch's activations may take unchecked
+
+
+def activation_bytes(config, tokens: int, itemsize: int) -> int:
+    """Bytes a training micro-batch of `tokens` keeps for its backward without checkpointing, by
+    count: per layer and token the tensors its ops save, about 6 h + 4 Hq D + 4 Hkv D + 4 I
+    elements (the norms' and projections' inputs, q/k/v after norm and RoPE, the attention's
+    output and log-sum-exp, the MLP's gate, up, activation and product), with no attention
+    square (the packed forward's kernels keep none)."""
+    c = config
+    h, I = c.hidden_size, c.intermediate_size
+    hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    per = 6 * h + 4 * c.num_attention_heads * hd + 4 * c.num_key_value_heads * hd + 4 * I
+    return tokens * c.num_hidden_layers * per * itemsize
+
+
+def checkpointing_plan(model, token_budget: int):
+    """(checkpoint or not, one line why) for `--grad-checkpointing auto`: off where a full
+    micro-batch's activations (`activation_bytes`) fit in ACTIVATION_SHARE of the memory free
+    after loading (the device's, or the host's on a CPU), on otherwise."""
+    p = next(model.parameters())
+    need = activation_bytes(model.config, token_budget, p.element_size())
+    if p.device.type == "cuda":
+        free = torch.cuda.mem_get_info(p.device)[0]
+    else:
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    on = need > ACTIVATION_SHARE * free
+    return on, (f"gradient checkpointing {'on' if on else 'off'} (auto): a {token_budget}-token micro-batch keeps "
+                f"{need / 2**30:.2f} GiB of activations, {'more' if on else 'less'} than {ACTIVATION_SHARE:g} of the "
+                f"{free / 2**30:.1f} GiB free")
 
 
 # ----------------------------------------------------------------------------- LoRA
