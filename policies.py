@@ -11,7 +11,7 @@ Choices, each a flag of train.py:
   so a fresh adapter leaves the base unchanged. The adapters live here, not inside the model:
   one forward hook per linear layer adds the delta of the *active* adapter, so the model object
   stays a plain Hugging Face model (save_pretrained, generate and KL-to-base keep working).
-  The delta is computed in the base's dtype, x A^T then one addmm (B^T, scale, add); the
+  The delta is computed in the base's dtype, x A^T then one in-place addmm_ (B^T, scale, add); the
   adapters' parameters stay fp32. A bf16 base (the default on CUDA) adds the small delta in
   bf16. On CUDA, fp32 matmuls may use TF32 and cuDNN's attention is off (`cuda_settings`, from
   `load`).
@@ -261,12 +261,13 @@ class LoRA(nn.Module):
 
     def add_delta(self, name: str, i: int, x, out):
         """out + scale x A^T B^T in the base's dtype: x A^T (N, r), then one addmm that multiplies
-        by B^T, scales and adds to the base's output. On a bf16 base the small delta is added in
-        bf16, so a delta far below the output's bf16 resolution is lost (as in every bf16 LoRA)."""
+        by B^T, scales and adds into the base's output in place (no second (N, out) tensor: the
+        linear's backward needs its input, not its output, so autograd allows it). On a bf16 base
+        the small delta is added in bf16, so a delta far below the output's bf16 resolution is
+        lost (as in every bf16 LoRA)."""
         A, B = self.weights(name, i, out.dtype)
         u = x.reshape(-1, x.shape[-1]) @ A.t()                                  # (N, r)
-        y = torch.addmm(out.reshape(-1, out.shape[-1]), u, B.t(), alpha=self.scale)  # (N, out)
-        return y.view(out.shape)
+        return out.view(-1, out.shape[-1]).addmm_(u, B.t(), alpha=self.scale).view(out.shape)   # (N, out)
 
     def _hook(self, i: int):
         def hook(module, inputs, out):
