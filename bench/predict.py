@@ -23,9 +23,10 @@ mean_len=2000). The counts per decode step come from bench/decode.py --section o
 - a stage's prefill: its distinct prompts through 2 x params FLOPs a token plus the attention's
   P x P square (before: all of it, an explicit mask; after: half, the causal kernel), and (after)
   one CUDA graph capture every `steps_per_capture` decode steps;
-- the update: every sample's prompt + completion through 8 x params FLOPs a token (the old
-  logprobs' forward, the training forward, the checkpointed recompute, the backward to the
-  activations) plus causal attention, at the training efficiency of the GPU's bf16 peak.
+- the update: every sample's prompt + completion through the passes grpo.update runs (the
+  training forward, the backward to the activations, the old logprobs' forward on three
+  quarters of the rows; no recompute where the activations fit) plus causal attention, at the
+  efficiency the H200 run measured (`train_eff`; each constant prints its source).
 """
 import argparse
 import math
@@ -38,7 +39,9 @@ SCALES = {  # params (B), layers, hidden, kv heads, head_dim, query heads
 }
 CONSTANTS = dict(
     bw_eff=0.75,            # share of peak HBM bandwidth a decode step's reads reach
-    train_eff=0.40,         # share of peak bf16 FLOP/s the update reaches (MFU)
+    train_eff=0.14,         # share of peak bf16 FLOP/s the update reaches (MFU, of the FLOPs update_s counts)
+    old_share=0.75,         # rows whose old logprobs need a forward of their own (all but the first mini-batch)
+    recompute=0,            # 1 where gradient checkpointing recomputes each layer in the backward
     host_us_per_op=9.0,     # host time of one eagerly issued op (PyTorch + transformers' Python), us
     gap_us_eager=2.5,       # device time between two eagerly launched kernels, us
     gap_us_graph=1.0,       # device time between two kernels of a replayed CUDA graph, us
@@ -64,6 +67,24 @@ CONSTANTS = dict(
                             # 33 without engine.HEADROOM)
     prefill_eff=0.40,       # share of peak bf16 FLOP/s a prefill reaches
 )
+
+
+SOURCES = {   # where each constant comes from: a measurement, a count, or "assumed" (none is above 1)
+    "bw_eff": "assumed (the H200 run of docs/BENCHMARKS.md measured about 0.42 between widths 2,560 and 5,120)",
+    "train_eff": "the H200 run of docs/BENCHMARKS.md: 1312004's update, 3.0 PFLOP by its count in 22.3 s, 0.14 of "
+                 "989 TFLOP/s; assumed to hold for the packed update until bench/gpu.sh measures it",
+    "old_share": "counted from grpo.update: 4 mini-batches per adapter at the paper's 2,048 calls",
+    "recompute": "policies.checkpointing_plan: 0.6B to 4B activations of 16,384 tokens fit in half an H200",
+    "ops_before": "bench/decode.py --section ops, a64386d", "ops_after": "bench/decode.py --section ops",
+    "ops_after_outside": "bench/decode.py --section ops",
+    "steps_per_capture": "tests/test_cudagraphs.py's paper-like voter call; the H200 run gave 127",
+    "capture_ms": "stated; the H200 run gave 0.9 s for 6 captures",
+    "problems": "the paper's settings (docs: DESIGN.md)", "rollouts": "the paper's settings", "cap": "the paper's math cap",
+}
+
+
+def source(name):
+    return SOURCES.get(name, "assumed")
 
 
 def lengths(c):
@@ -120,10 +141,16 @@ def prefill_s(s, gpu, c, prompts, length, after):
 
 
 def update_s(s, gpu, c, samples):
-    """Seconds of the update: (tokens per sample, count) pairs through 8 x params FLOPs a token + attention."""
+    """Seconds of the update: (tokens per sample, count) pairs through the passes grpo.update runs,
+    in forward-sized passes of 2 x params FLOPs a token: the training forward, the backward to
+    the activations (the base is frozen: one pass), the old logprobs' forward on `old_share` of
+    the rows, a recompute where checkpointed; plus causal attention, 2 L^2 Hq D a layer a pass
+    (its backward two passes); at `train_eff` of the bf16 peak."""
+    passes = 2 + c["old_share"] + c["recompute"]
     flops = 0.0
     for tokens, n in samples:
-        flops += n * (8 * s["params"] * 1e9 * tokens + 4 * 2 * tokens * tokens * s["heads"] * s["head_dim"] * s["layers"])
+        flops += n * (2 * s["params"] * 1e9 * tokens * passes
+                      + 2 * tokens * tokens * s["heads"] * s["head_dim"] * s["layers"] * (passes + 1))
     return flops / (gpu["tflops"] * 1e12 * c["train_eff"])
 
 
@@ -155,7 +182,9 @@ def main():
         k, v = kv.split("=")
         c[k] = type(c[k])(float(v))
     mean, m2, _ = lengths(c)
-    print("assumed:", ", ".join(f"{k}={v:g}" for k, v in c.items()))
+    print("constants (NAME=VALUE: source):")
+    for k, v in c.items():
+        print(f"  {k}={v:g}: {source(k)}{' (set here)' if v != CONSTANTS[k] else ''}")
     print("gpus:", ", ".join(f"{k} {v['hbm_gb']} GB {v['tb_s']} TB/s {v['tflops']} TFLOP/s bf16" for k, v in GPUS.items()))
     print(f"generator completions: mean {mean:.0f} tokens, a row in flight is {m2 / (2 * mean):.0f} past its prompt on average")
     print(f"\n{args.workflow}, {c['problems']} problems x {c['rollouts']} rollouts; minutes per training step (a prediction)")
