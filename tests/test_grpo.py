@@ -334,6 +334,37 @@ def test_packed_micro_batches_count_their_own_tokens():
     assert len(mbs) < len(grpo.forward_batches(S, list(range(len(S))), token_budget=20))
 
 
+@pytest.mark.parametrize("kl", [0.0, 0.1])
+def test_the_update_runs_only_the_passes_grpo_needs(kl):
+    """Reference forward only with a KL coefficient; a no-grad (old-logprob) forward only for the
+    rows after the first mini-batch; entropies only for a probe that logs them."""
+    pol = make_policy(("generator", "aggregator"), "shared")
+    S = sampled(pol, ROWS)
+    seen = []   # (adapter active, grad on, positions) of every forward
+    pol.model.get_input_embeddings().register_forward_hook(
+        lambda m, i, o: seen.append((pol.lora.active, torch.is_grad_enabled(), i[0].numel())))
+
+    class Reads(grpo.Probe):
+        def begin(self, samples, runs):
+            self.old = {}
+
+        def old_logprobs(self, old):
+            self.old.update(old)
+    probe = Reads()
+    opts, scheds = grpo.make_optimizers(pol, lr=1e-3, warmup_steps=0, total_steps=10)
+    h = grpo.Hyper(temperature=TEMP, mini_batch=3, kl_coef=kl)   # 5 rows: mini-batches of 2 and 3
+    shuffle = torch.Generator().manual_seed(0)
+    first = grpo.optimizer_batches(grpo.adapter_rows(pol, S, "shared", torch.Generator().manual_seed(0)), 3)[0]
+    grpo.update(pol, opts, scheds, S, h, shuffle=shuffle, probe=probe)
+    own = lambda rows: sum(len(S[i].prompt_ids) + len(S[i].completion_ids) - 1 for i in rows)   # noqa: E731
+    later = own(set(range(len(S))) - set(first))
+    # no grad: the old logprobs of the later rows (adapter folded, so no adapter active), and
+    # with KL the reference forward of every row
+    assert sum(n for a, g, n in seen if not g) == later + (own(range(len(S))) if kl else 0)
+    assert sum(n for a, g, n in seen if g) == own(range(len(S)))   # one training forward a row
+    assert set(probe.old) == set(range(len(S))) and all(e is None for _, e in probe.old.values())
+
+
 def test_the_packed_update_equals_the_padded_one():
     """A whole update, packed or through the plain layout, from the same weights: the same
     weights after, within fp32 rounding (the toy run's samples do not move: its report)."""
