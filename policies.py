@@ -175,12 +175,14 @@ def activation_bytes(config, tokens: int, itemsize: int) -> int:
     count: per layer and token the tensors its ops save, about 6 h + 4 Hq D + 4 Hkv D + 4 I
     elements (the norms' and projections' inputs, q/k/v after norm and RoPE, the attention's
     output and log-sum-exp, the MLP's gate, up, activation and product), with no attention
-    square (the packed forward's kernels keep none)."""
+    square (the packed forward's kernels keep none); in half precision also the fp32 inputs the
+    RMSNorms keep (they compute in fp32): 2 h + Hq D + Hkv D more elements of 4 bytes."""
     c = config
     h, I = c.hidden_size, c.intermediate_size
     hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
-    per = 6 * h + 4 * c.num_attention_heads * hd + 4 * c.num_key_value_heads * hd + 4 * I
-    return tokens * c.num_hidden_layers * per * itemsize
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    per = (6 * h + 4 * q + 4 * kv + 4 * I) * itemsize + (4 * (2 * h + q + kv) if itemsize < 4 else 0)
+    return tokens * c.num_hidden_layers * per
 
 
 def checkpointing_plan(model, token_budget: int):
