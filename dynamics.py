@@ -98,6 +98,8 @@ class RoleDynamics(grpo.Probe):
     the step's metrics. With `damp` (the damping.CoherenceDamp the update is given) it also
     reports the damping's cosines and scales."""
 
+    entropy = True   # the old logprobs' entropies are logged (`entropy`)
+
     def __init__(self, policy, comm=None, damp=None):
         self.policy, self.comm, self.damp = policy, comm, damp
         self.stats = defaultdict(float)        # (role, field) -> token counts and sums
@@ -179,20 +181,21 @@ class RoleDynamics(grpo.Probe):
 
     # ------------------------------------------------------------------ the step's metrics
 
-    TOKEN_SUMS = ("skipped", "ent", "ent_n", "gap", "gap_n", "tokens", "clipped", "ratio", "kl")
+    TOKEN_SUMS = ("skipped", "ent", "ent_n", "gap", "gap_max", "gap_kl", "gap_out", "gap_n", "tokens", "clipped",
+                  "ratio", "kl")
 
-    def _token_sums(self, idx, role) -> list:
-        """One role's additive numbers over the rows that ran here, in TOKEN_SUMS order."""
+    def _token_sums(self, idx, role, cap) -> list:
+        """One role's additive numbers over the rows that ran here, in TOKEN_SUMS order (gap_max
+        is a max, taken over ranks apart)."""
         s, old, ent = self.samples, self.old, self.ent
         ran = [i for i in idx if self.runs[i]]
-        gap = gap_n = 0.0
+        gap = [0.0, 0.0, 0.0, 0, 0]   # grpo.drift's sums
         for i in ran:
-            sl = s[i].sampler_logprobs
-            if len(sl) == len(s[i].completion_ids):  # skip rows without sampler logprobs
-                gap += float((torch.tensor(sl, device=old[i].device) - old[i]).abs().sum())
-                gap_n += len(sl)
+            if len(s[i].sampler_logprobs) == len(s[i].completion_ids):  # skip rows without sampler logprobs
+                g = grpo.drift(old[i], grpo.sampler_logprobs(s[i], old[i]), cap)
+                gap = [max(a, b) if k == 1 else a + b for k, (a, b) in enumerate(zip(gap, g))]
         return [sum(s[i].here for i in idx) - len(ran), float(sum(ent[i].sum() for i in ran)),
-                sum(len(ent[i]) for i in ran), gap, gap_n,
+                sum(len(ent[i]) for i in ran), *gap,
                 *(self.stats[role, k] for k in ("tokens", "clipped", "ratio", "kl"))]
 
     def _role_summary(self, idx, t: dict, role, total_norm, kl: bool) -> dict:
@@ -207,7 +210,10 @@ class RoleDynamics(grpo.Probe):
              "grad_norm_opt": sum(opt) / len(opt) if opt else 0.0, "grad_norm_opt_max": max(opt, default=0.0),
              "clip_frac": tok and t["clipped"] / tok, "ratio_mean": tok and t["ratio"] / tok,
              "entropy": t["ent"] / t["ent_n"] if t["ent_n"] else None,
-             "logprob_gap": t["gap"] / t["gap_n"] if t["gap_n"] else None, "opt_steps": self.opt_steps[role],
+             "logprob_gap": t["gap"] / t["gap_n"] if t["gap_n"] else None,
+             "logprob_gap_max": t["gap_max"] if t["gap_n"] else None,
+             "logprob_gap_kl": t["gap_kl"] / t["gap_n"] if t["gap_n"] else None,
+             "logprob_gap_out": t["gap_out"] / t["gap_n"] if t["gap_n"] else None, "opt_steps": self.opt_steps[role],
              "displacement": self.adapters.get(self.policy.adapter(role), {}).get("displacement", 0.0),
              "move_cos": self.move_cos.get(role)}
         if kl:
@@ -221,18 +227,23 @@ class RoleDynamics(grpo.Probe):
     def summary(self, hp=None) -> dict:
         """The step's metrics (every field is described in docs/RUNFOLDER.md): per role n, len,
         skipped, trunc_frac, grad_norm, grad_share, grad_norm_opt / _max, clip_frac,
-        ratio_mean, entropy, logprob_gap, opt_steps, displacement, move_cos, kl (when the
+        ratio_mean, entropy, logprob_gap / _max / _kl / _out (the sampler's drift, grpo.drift), opt_steps, displacement, move_cos, kl (when the
         grpo.Hyper `hp` gives the role a KL coefficient), damp_cos / damp_scale (with damping);
         per slot n, len, grad_norm; dominant_role, cos_roles, slot_cos, coherence; adapters
         {name: {n, opt_steps, grad_norm, lr, displacement}}; lr. Under data parallelism every
         count and sum is over all ranks."""
         samples, roles = self.samples, self.policy.roles
         idx = {role: [i for i, s in enumerate(samples) if s.role == role] for role in roles}
-        sums = [self._token_sums(idx[role], role) for role in roles]
-        if self.comm:   # one collective for every token statistic of the step
+        cap = hp.drift_cap if hp else grpo.DRIFT_CAP
+        sums = [self._token_sums(idx[role], role, cap) for role in roles]
+        if self.comm:   # one collective for every token statistic of the step, and one for the maxima
+            j_max = self.TOKEN_SUMS.index("gap_max")
+            maxima = [max(r) for r in zip(*self.comm.gather([r[j_max] for r in sums]))]
             flat = self.comm.sum([x for r in sums for x in r])
             k = len(self.TOKEN_SUMS)
             sums = [flat[j * k:(j + 1) * k] for j in range(len(roles))]
+            for r, m in zip(sums, maxima):
+                r[j_max] = m
         total_norm = sum(self.role_norm.values())
         out_roles = {role: self._role_summary(idx[role], dict(zip(self.TOKEN_SUMS, t)), role, total_norm,
                                               bool(hp and hp.kl(role)))

@@ -139,7 +139,8 @@ def _optimisation_flags(g):
     g.add_argument("--token-budget", type=int, default=None, help="rows x padded length per micro-batch, at least one "
                    "row at the length limits" + scale_default("token_budget"))
     g.add_argument("--grad-checkpointing", default="auto", choices=["auto", "on", "off"],
-                    help="recompute each layer in the backward instead of keeping its activations (auto: on at real scales) (default: %(default)s)")
+                    help="recompute each layer in the backward instead of keeping its activations (auto: on only where a "
+                    "micro-batch's activations would not fit, policies.checkpointing_plan) (default: %(default)s)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping per optimizer step (default: %(default)s)")
     g.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below 1 (default: %(default)s)")
     g.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above 1, clip-higher (default: %(default)s)")
@@ -149,6 +150,9 @@ def _optimisation_flags(g):
                    "grade of its episode's final answer (the paper); own, a solution role's call (voter, worker, "
                    "Eval-Opt attempt) the grade of its own text, the other roles the final grade (default: %(default)s)")
     g.add_argument("--adv-group", default="slot", choices=["slot", "role"], help="advantage groups: (problem, slot) as the paper, or (problem, role) (default: %(default)s)")
+    g.add_argument("--tis", type=float, default=0.0, metavar="C", help="weight each token's policy loss by "
+                   "min(p_old / p_sampler, C), truncated importance sampling against the sampler's drift; 0: off "
+                   "(grpo.py says why) (default: %(default)s)")
     g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-base coefficient for every role, k3 estimator (default: %(default)s, as the paper)")
     g.add_argument("--kl-coef-role", action="append", default=[], metavar="ROLE=VALUE", help="per-role KL coefficient, repeatable")
     g.add_argument("--lr-role", action="append", default=[], metavar="ROLE=VALUE",
@@ -297,6 +301,9 @@ def check_args(ap, args):
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
     if not 0 < args.top_p <= 1:
         ap.error("--top-p must be in (0, 1]")
+    if args.tis and (args.tis <= 1 or args.top_p < 1):
+        ap.error("--tis C needs C > 1 and --top-p 1: under top-p the sampler stores the full distribution's logprob, "
+                 "not the one it drew from, so the weights would be biased")
     if args.lora_alpha <= 0:
         ap.error("--lora-alpha must be > 0 (the adapter's update is scaled by alpha / rank)")
     if not 0 <= args.clip_low < 1 or args.clip_high < 0:
@@ -400,7 +407,7 @@ def hyper(args):
 
     import grpo
     return grpo.Hyper(**{f.name: getattr(args, f.name) for f in dataclasses.fields(grpo.Hyper)
-                         if f.name != "skip_zero"})
+                         if f.name not in ("skip_zero", "packing")})
 
 
 def _check_device(ap, device):

@@ -3,8 +3,9 @@
 Objective minimised at each optimizer step, over the mini-batch M of one optimizer:
 
     L = mean_{i in M} mean_{t < |o_i|} l_it                                     (--loss-norm seq)
-    l_it = min*( max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high)) ) + beta_role k3_it
+    l_it = w_it min*( max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high)) ) + beta_role k3_it
     r_it = exp(logp_theta(o_it) - logp_old(o_it)),   min*(x) = min(x, c |A_i|) if A_i < 0 else x
+    w_it = min(exp(logp_old(o_it) - logp_sampler(o_it)), C) with --tis C, else 1 (no weight at all)
     k3_it = exp(logp_ref - logp_theta) - (logp_ref - logp_theta) - 1
     A_i  = (R_i - mean_g R) / (std_g R + 1e-6)  over the group g of i (unbiased std; a group of
            one has mean 0 and std 1, so A = R)
@@ -28,7 +29,18 @@ Each choice and the train.py flag that sets it (the flags fill a `Hyper`, fields
   base folds the adapter into the base weights, equal to the hooked forward within fp32
   rounding); the first mini-batch runs at those same weights, so `micro_loss` takes its rows'
   own logprobs, detached, as theirs and returns them.
-- temperature: logits / `--temperature` in the trainer exactly as in the sampler.
+- w_it, the sampler's drift corrected (`--tis C`, default 0: off): the tokens were drawn by the
+  sampler, whose logprobs differ from the trainer's for the same weights (another kernel, in
+  bf16 another rounding, compounding over long completions), so the loss's expectation is over
+  the wrong distribution; token-level truncated importance sampling (as verl and TRL do)
+  weights each token's policy term by p_old / p_sampler, capped at C (2 is verl's usual cap),
+  detached. Off by default because the paper trains without it and on fp32 (the toy world,
+  every CPU run) the weights are 1 within rounding, so it would only cost; on bf16 at the
+  paper's lengths turn it on. The drift itself is logged every step whether corrected or not
+  (`drift`: mean and largest |logp_old - logp_sampler|, a k3 estimate of KL(sampler ||
+  trainer), and the share of tokens whose ratio leaves [1/C, C], C = --tis or DRIFT_CAP).
+  With `--top-p` < 1 the sampler stores the logprob of the full distribution, not of the
+  truncated one it drew from, so the weight would be biased: flags.py refuses the pair.
 - one epoch; each optimizer's n samples are shuffled and cut into ceil(n / `--mini-batch`)
   mini-batches of near-equal size (512 each at the paper's settings), one AdamW step per
   mini-batch (so a role with more calls takes more steps under isolated), gradients
@@ -37,18 +49,24 @@ Each choice and the train.py flag that sets it (the flags fill a `Hyper`, fields
   cosine to 0 over `--steps`; under isolated a role's own lr with `--lr-role ROLE=VALUE`, where
   0 freezes the role.
 
-Three devices keep memory and time bounded without changing the gradient:
-- `token_logprobs`: the fp32 log-softmax is taken chunk by chunk by a small autograd function
-  whose backward rebuilds each chunk, so no (B, T, V) fp32 tensor is ever held;
-- `forward_batches`: rows of alike length packed up to `--token-budget` padded tokens;
+Devices that keep memory and time bounded without changing the gradient (beyond fp32 rounding):
+- the packed forward (packed.py, `row_logprobs`), used wherever the model allows (a decoder and
+  a plain linear head; `Hyper.packing`, on): no pad token, each row's attention over its own
+  keys only, the head only at completion positions, in chunks, with no (N, V) tensor;
+- `forward_batches`: rows of alike length cut into micro-batches of `--token-budget` tokens
+  (their own tokens when packed, rows x padded length otherwise);
 - `rows_to_run`: a row with advantage exactly 0 and no KL has a loss of -0 * ratio, so no
   gradient: it skips the old-logprob recompute and the training forward and backward, and
-  still counts in the denominators.
+  still counts in the denominators;
+- only the passes the loss needs: the reference forward only for rows whose role has a KL
+  coefficient, old logprobs only after the first mini-batch (above), in the training
+  forward's layout, and entropies only for a probe that logs them (`Probe.entropy`).
 
-Layout of the training forward (what rollout.generate_simple does): prompts left-padded to P,
-completions right after them (so every completion starts at column P) and right-padded to T;
-position_ids = cumsum(mask) - 1; the attention mask is always passed; the logprob of
-completion token t is read from the logits at position P-1+t.
+The plain layout, `batch_logprobs` (what rollout.generate_simple does; the reference the
+packed forward is tested against): prompts left-padded to P, completions right after them (so
+every completion starts at column P) and right-padded to T; position_ids = cumsum(mask) - 1;
+the attention mask is always passed; the logprob of completion token t is read from the logits
+at position P-1+t, chunk by chunk by `token_logprobs` (no (B, T, V) fp32 tensor held).
 
 Under torchrun each optimizer step's gradient is summed over the ranks inside `update`, by the
 `reduce` it is given (parallel.Comm.reduce_grads), so N ranks take the steps one process holding
@@ -68,6 +86,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+
+import packed
 
 
 @dataclass
@@ -234,19 +254,21 @@ def batch_logprobs(model, prompts: list, completions: list, temperature: float,
     return lp, ent, cmask
 
 
-def forward_batches(samples: list, rows: list, token_budget: int) -> list:
+def forward_batches(samples: list, rows: list, token_budget: int, packing: bool = False) -> list:
     """The micro-batches of one forward and backward each: `rows` (indices into samples) split
-    into lists whose rows x padded length (longest prompt + longest completion) fits
-    token_budget; sorted by length so rows of a batch are alike. A row longer than the budget
-    gets a micro-batch of its own."""
+    into lists whose tokens fit token_budget: rows x padded length (longest prompt + longest
+    completion), or with `packing` the rows' own tokens; sorted by length so rows of a batch
+    are alike. A row longer than the budget gets a micro-batch of its own."""
     order = sorted(rows, key=lambda i: (len(samples[i].prompt_ids) + len(samples[i].completion_ids),
                                         len(samples[i].prompt_ids)), reverse=True)
-    out, cur, P, T = [], [], 0, 0
+    out, cur, P, T, own = [], [], 0, 0, 0
     for i in order:
         p, t = max(P, len(samples[i].prompt_ids)), max(T, len(samples[i].completion_ids))
-        if cur and (len(cur) + 1) * (p + t) > token_budget:
+        own += len(samples[i].prompt_ids) + len(samples[i].completion_ids)
+        if cur and (own if packing else (len(cur) + 1) * (p + t)) > token_budget:
             out.append(cur)
             cur, p, t = [], len(samples[i].prompt_ids), len(samples[i].completion_ids)
+            own = p + t
         cur.append(i)
         P, T = p, t
     if cur:
@@ -254,27 +276,44 @@ def forward_batches(samples: list, rows: list, token_budget: int) -> list:
     return out
 
 
-def sequence_logprobs(model, samples: list, temperature: float, token_budget: int = 8192):
+def row_logprobs(model, prompts: list, completions: list, temperature: float, entropy: bool = False,
+                 packing: bool = True):
+    """(logp (B, T), entropy (B, T) or None, mask (B, T)) of a micro-batch, as batch_logprobs
+    returns them, through the packed forward (packed.py: no pad token, the head only at
+    completion positions) where `packing` and the model allow, else through batch_logprobs."""
+    if not packed.used(model, packing):
+        return batch_logprobs(model, prompts, completions, temperature, entropy=entropy)
+    lp, ent = packed.logprobs(model, prompts, completions, temperature, entropy=entropy)   # (n,) each
+    n = torch.tensor([len(c) for c in completions], device=lp.device)                     # (B,)
+    mask = torch.arange(int(n.max()), device=lp.device)[None, :] < n[:, None]               # (B, T)
+    return (lp.new_zeros(mask.shape).masked_scatter(mask, lp),
+            ent.new_zeros(mask.shape).masked_scatter(mask, ent) if ent is not None else None, mask)
+
+
+def sequence_logprobs(model, samples: list, temperature: float, token_budget: int = 8192, entropy: bool = True,
+                      packing: bool = True):
     """Per-sample fp32 logprobs of the completion tokens (list of 1-D tensors, in the order of
-    `samples`) and their entropies (same shape, no grad). Grad flows if grad is enabled."""
+    `samples`) and their entropies (same shape, no grad; None each without `entropy`). Grad
+    flows if grad is enabled."""
     lps, ents = [None] * len(samples), [None] * len(samples)
-    for mb in forward_batches(samples, list(range(len(samples))), token_budget):
-        lp, ent, _ = batch_logprobs(model, [samples[i].prompt_ids for i in mb],
-                                    [samples[i].completion_ids for i in mb], temperature, entropy=True)
+    for mb in forward_batches(samples, list(range(len(samples))), token_budget, packing):
+        lp, ent, _ = row_logprobs(model, [samples[i].prompt_ids for i in mb], [samples[i].completion_ids for i in mb],
+                                  temperature, entropy=entropy, packing=packing)
         for r, i in enumerate(mb):
             n = len(samples[i].completion_ids)
-            lps[i], ents[i] = lp[r, :n], ent[r, :n]
+            lps[i], ents[i] = lp[r, :n], ent[r, :n] if ent is not None else None
     return lps, ents
 
 
 # ----------------------------------------------------------------------------- objective
 
 def objective(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float, clip_c: float,
-              loss_norm: str, denom: float, ref_logp=None, kl_coef: float = 0.0):
+              loss_norm: str, denom: float, ref_logp=None, kl_coef: float = 0.0, tis=None):
     """This micro-batch's part of the mini-batch loss (the parts sum to the mini-batch loss).
 
     logp, old_logp, ref_logp, mask: (B, T); adv: (B,). `denom` is the mini-batch's number of
-    sequences (loss_norm "seq") or of completion tokens ("token").
+    sequences (loss_norm "seq") or of completion tokens ("token"). `tis` (B, T), detached: each
+    token's policy term is weighted by it (`tis_weights`); None weighs nothing, not even by 1.
     Returns (loss, per-token loss (B, T), ratio (B, T), clipped (B, T) bool, k3 (B, T) or None)."""
     m = mask.float()
     a = adv[:, None]                                                   # (B, 1)
@@ -288,6 +327,8 @@ def objective(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float, c
     tok = torch.where(a < 0, capped, pg)                               # (B, T)
     # a token whose loss no longer follows -A r gets no policy gradient: that is "clipped"
     clipped = ((surr_clip > surr) | ((a < 0) & (pg > clip_c * a.abs()))) & mask
+    if tis is not None:   # the policy term only, as verl does; the KL-to-base term keeps its own estimator
+        tok = tok * tis
     k3 = None
     if ref_logp is not None and kl_coef:
         d = ref_logp - logp
@@ -301,6 +342,27 @@ def objective(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float, c
     else:
         raise ValueError(f"loss_norm must be seq or token, got {loss_norm!r}")
     return loss, tok, ratio, clipped, k3
+
+
+def tis_weights(old_logp, sampler_logp, cap: float):
+    """min(p_old / p_sampler, cap) per token (B, T), no grad: truncated importance sampling at the
+    token level. The tokens were drawn by the sampler, whose numbers differ from the trainer's;
+    the ratio reweights the loss's expectation to the trainer's old policy, and the cap bounds
+    the variance a token whose sampler logprob is far too low could add."""
+    with torch.no_grad():
+        return torch.exp((old_logp - sampler_logp).clamp(max=math.log(cap)))
+
+
+def drift(old_logp, sampler_logp, cap: float) -> list:
+    """The sampler's drift from the trainer over one row's tokens (1-D each), as additive sums
+    and one max: [sum |d|, max |d|, sum k3, tokens whose ratio p_old / p_sampler leaves
+    [1/cap, cap], tokens], d = logp_old - logp_sampler. k3 = exp(d) - d - 1 estimates
+    KL(sampler || trainer) from the sampler's own draws (>= 0, unbiased)."""
+    d = (old_logp - sampler_logp).double()
+    if not len(d):
+        return [0.0, 0.0, 0.0, 0, 0]
+    return [float(d.abs().sum()), float(d.abs().max()), float((d.exp() - d - 1).sum()),
+            int((d.abs() > math.log(cap)).sum()), len(d)]
 
 
 # ----------------------------------------------------------------------------- optimizers
@@ -352,6 +414,9 @@ def step_schedulers(schedulers) -> None:
 
 # ----------------------------------------------------------------------------- the update
 
+DRIFT_CAP = 2.0   # the share of tokens whose sampler/trainer ratio leaves [1/2, 2] is logged without --tis
+
+
 @dataclass
 class Hyper:
     """The update's hyper-parameters; train.py fills them from its flags of the same names."""
@@ -366,12 +431,21 @@ class Hyper:
     max_grad_norm: float = 1.0      # 0: no clipping
     token_budget: int = 8192        # padded tokens per micro-batch
     skip_zero: bool = True          # skip rows with no gradient (see rows_to_run)
+    packing: bool = True            # the packed forward (packed.py) where the model allows
+    tis: float = 0.0                # cap C of the tokens' truncated importance weights; 0: none
+
+    @property
+    def drift_cap(self) -> float:
+        """C of the drift's out-of-range share: the --tis cap, else DRIFT_CAP."""
+        return self.tis or DRIFT_CAP
 
     def __post_init__(self):
         if self.loss_norm not in ("seq", "token"):
             raise ValueError(f"loss_norm must be seq or token, got {self.loss_norm!r}")
         if self.mini_batch < 1:
             raise ValueError("mini_batch must be >= 1")
+        if self.tis and self.tis <= 1:
+            raise ValueError(f"tis must be 0 (off) or a cap above 1, got {self.tis}")
 
     def kl(self, role: str) -> float:
         return float(self.kl_coef_role.get(role, self.kl_coef))
@@ -380,7 +454,9 @@ class Hyper:
 class Probe:
     """The seam through which diagnostics read the update; a probe only reads (removing it
     leaves the same weights). `update` calls these hooks in this order; every one does nothing
-    here."""
+    here. `entropy`: whether the old logprobs it reads come with their entropies (None each
+    without; they cost a softmax pass over the vocabulary)."""
+    entropy = False
 
     def begin(self, samples, runs):
         """Before the first adapter: the rows and which of them run."""
@@ -431,16 +507,18 @@ def rows_to_run(samples, hp: Hyper) -> list:
 
 
 @torch.no_grad()
-def old_logprobs(policy, samples, rows: list, hp: Hyper) -> dict:
-    """{i: (old logprob, entropy)}, 1-D tensors, of rows `rows`: a no-grad forward under each
-    row's adapter before any parameter moves (which rows: logp_old in the module docstring)."""
+def old_logprobs(policy, samples, rows: list, hp: Hyper, entropy: bool = True) -> dict:
+    """{i: (old logprob, entropy or None)}, 1-D tensors, of rows `rows`: a no-grad forward under
+    each row's adapter before any parameter moves (which rows: logp_old in the module docstring),
+    laid out as the training forward lays them out (hp.packing)."""
     by_name = defaultdict(list)
     for i in rows:
         by_name[policy.adapter(samples[i].role)].append(i)
     out = {}
     for name, idx in by_name.items():
         with policy.inference(name) as model:
-            lps, ents = sequence_logprobs(model, [samples[i] for i in idx], hp.temperature, hp.token_budget)
+            lps, ents = sequence_logprobs(model, [samples[i] for i in idx], hp.temperature, hp.token_budget,
+                                          entropy, hp.packing)
         out.update((i, (lp, e)) for i, lp, e in zip(idx, lps, ents))
     return out
 
@@ -452,7 +530,8 @@ def base_logprobs(policy, samples, rows: list, hp: Hyper) -> dict:
     if not rows:
         return {}
     with policy.inference(None) as model:
-        lps, _ = sequence_logprobs(model, [samples[i] for i in rows], hp.temperature, hp.token_budget)
+        lps, _ = sequence_logprobs(model, [samples[i] for i in rows], hp.temperature, hp.token_budget, False,
+                                   hp.packing)
     return dict(zip(rows, lps))
 
 
@@ -494,25 +573,36 @@ def _padded(ts, T, dev):
     return out
 
 
-def micro_loss(model, samples, rows, old: dict, base: dict, hp: Hyper, denom):
+def micro_loss(model, samples, rows, old: dict, base: dict, hp: Hyper, denom, entropy: bool = True):
     """The loss of one micro-batch (one slot, so one role) as its part of the mini-batch loss,
     its per-token (mask, ratio, clipped, k3), and the old logprobs and entropies it used, per
     row: `old`'s {i: (logprob, entropy)}, or for a row not in it its own, detached (logp_old in
-    the module docstring). `base` {i: logprob}: the KL reference."""
+    the module docstring), with its entropy if `entropy`. `base` {i: logprob}: the KL reference."""
     beta, first = hp.kl(samples[rows[0]].role), rows[0] not in old
-    logp, entropy, mask = batch_logprobs(model, [samples[i].prompt_ids for i in rows],
-                                         [samples[i].completion_ids for i in rows], hp.temperature,
-                                         entropy=first)                                         # (B, T)
+    logp, ent, mask = row_logprobs(model, [samples[i].prompt_ids for i in rows],
+                                   [samples[i].completion_ids for i in rows], hp.temperature,
+                                   entropy=first and entropy, packing=hp.packing)                # (B, T)
     n = [len(samples[i].completion_ids) for i in rows]
-    used = ({i: (logp[r, :n[r]].detach(), entropy[r, :n[r]]) for r, i in enumerate(rows)} if first
-            else {i: old[i] for i in rows})
+    used = ({i: (logp[r, :n[r]].detach(), ent[r, :n[r]] if ent is not None else None) for r, i in enumerate(rows)}
+            if first else {i: old[i] for i in rows})
     T, dev = logp.shape[1], logp.device
     adv = torch.tensor([samples[i].advantage for i in rows], device=dev, dtype=torch.float32)   # (B,)
+    old_logp = _padded([used[i][0] for i in rows], T, dev)                                      # (B, T)
+    tis = tis_weights(old_logp, _padded([sampler_logprobs(samples[i], used[i][0]) for i in rows], T, dev),
+                      hp.tis) if hp.tis else None                                               # (B, T)
     loss, _, ratio, clipped, k3 = objective(
-        logp, _padded([used[i][0] for i in rows], T, dev), adv, mask, clip_low=hp.clip_low,
-        clip_high=hp.clip_high, clip_c=hp.clip_c, loss_norm=hp.loss_norm, denom=denom,
-        ref_logp=_padded([base[i] for i in rows], T, dev) if beta else None, kl_coef=beta)
+        logp, old_logp, adv, mask, clip_low=hp.clip_low, clip_high=hp.clip_high, clip_c=hp.clip_c,
+        loss_norm=hp.loss_norm, denom=denom, ref_logp=_padded([base[i] for i in rows], T, dev) if beta else None,
+        kl_coef=beta, tis=tis)
     return loss, (mask, ratio, clipped, k3), used
+
+
+def sampler_logprobs(sample, old_logp):
+    """The sampler's logprobs of a row's tokens as a tensor like `old_logp` (1-D); a row that
+    carries none (a sampler that does not record them) gets `old_logp` itself: weight 1."""
+    if len(sample.sampler_logprobs) != len(sample.completion_ids):
+        return old_logp
+    return torch.tensor(sample.sampler_logprobs, dtype=old_logp.dtype, device=old_logp.device)
 
 
 def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, reduce=None, probe=None,
@@ -530,7 +620,7 @@ def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, red
     runs = [r and policy.adapter(s.role) in names for r, s in zip(rows_to_run(samples, hp), samples)]
     plan = {name: optimizer_batches(adapter_rows(policy, samples, name, shuffle), hp.mini_batch) for name in names}
     later = sorted(i for mbs in plan.values() for mb in mbs[1:] for i in mb if runs[i])   # in the samples' order
-    old = old_logprobs(policy, samples, later, hp)
+    old = old_logprobs(policy, samples, later, hp, probe.entropy)
     base = base_logprobs(policy, samples, [i for i, s in enumerate(samples) if runs[i] and hp.kl(s.role)], hp)
     probe.begin(samples, runs)
     probe.old_logprobs(old)
@@ -542,10 +632,11 @@ def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, red
             for p in params:  # zeros, not None: a mini-batch with nothing to run still steps AdamW
                 p.grad = torch.zeros_like(p)
             for (role, slot), slot_rows in by_slot(samples, mb, policy.roles):
-                for micro in forward_batches(samples, [i for i in slot_rows if runs[i]], hp.token_budget):
-                    # the backward runs under the adapter too: checkpointed layers recompute in it
-                    with policy.using(name) as model:
-                        loss, per_token, used = micro_loss(model, samples, micro, old, base, hp, denom)
+                for micro in forward_batches(samples, [i for i in slot_rows if runs[i]], hp.token_budget, hp.packing):
+                    # the backward runs under the adapter and the packed attention too: checkpointed
+                    # layers recompute in it
+                    with policy.using(name) as model, packed.attention(model, hp.packing):
+                        loss, per_token, used = micro_loss(model, samples, micro, old, base, hp, denom, probe.entropy)
                         loss.backward()
                     if micro[0] not in old:       # the first mini-batch's, from its own forward
                         old.update(used)

@@ -11,7 +11,7 @@ Choices, each a flag of train.py:
   so a fresh adapter leaves the base unchanged. The adapters live here, not inside the model:
   one forward hook per linear layer adds the delta of the *active* adapter, so the model object
   stays a plain Hugging Face model (save_pretrained, generate and KL-to-base keep working).
-  The delta is computed in the base's dtype, x A^T then one addmm (B^T, scale, add); the
+  The delta is computed in the base's dtype, x A^T then one in-place addmm_ (B^T, scale, add); the
   adapters' parameters stay fp32. A bf16 base (the default on CUDA) adds the small delta in
   bf16. On CUDA, fp32 matmuls may use TF32 and cuDNN's attention is off (`cuda_settings`, from
   `load`).
@@ -19,9 +19,10 @@ Choices, each a flag of train.py:
   role type (the 3 voters share "generator", all workers share "worker").
 - `--isolation full`: instead of adapters, a full trainable copy of the model per adapter name
   (small models only); the loaded model stays frozen as the base.
-- `--grad-checkpointing`: `checkpoint_layers` recomputes each decoder layer in the backward
-  (on by default at real scales, where a long micro-batch's activations would not fit;
-  bench/memory.py counts them with and without, docs/REAL_MODELS.md).
+- `--grad-checkpointing`: `checkpoint_layers` recomputes each decoder layer in the backward;
+  `auto` (the default) turns it on only where a micro-batch's activations would not fit
+  (`checkpointing_plan`, said in the memory plan's line), since the recompute is a third more
+  FLOPs (bench/memory.py counts the memory with and without, docs/REAL_MODELS.md).
 - The active adapter is one name for the whole batch, or `None` for the base.
 - Adapters are saved in PEFT's file layout (adapter_config.json + adapter_model.safetensors with
   keys `base_model.model.<module>.lora_A.weight`), so peft and vLLM's multi-LoRA serving load a
@@ -166,6 +167,40 @@ def checkpoint_layers(model) -> None:
         layer.forward, layer._checkpointed = forward, True
 
 
+ACTIVATION_SHARE = 0.5   # share of the free memory a micro-batch's activations may take unchecked
+
+
+def activation_bytes(config, tokens: int, itemsize: int) -> int:
+    """Bytes a training micro-batch of `tokens` keeps for its backward without checkpointing, by
+    count: per layer and token the tensors its ops save, about 6 h + 4 Hq D + 4 Hkv D + 4 I
+    elements (the norms' and projections' inputs, q/k/v after norm and RoPE, the attention's
+    output and log-sum-exp, the MLP's gate, up, activation and product), with no attention
+    square (the packed forward's kernels keep none); in half precision also the fp32 inputs the
+    RMSNorms keep (they compute in fp32): 2 h + Hq D + Hkv D more elements of 4 bytes."""
+    c = config
+    h, I = c.hidden_size, c.intermediate_size
+    hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    per = (6 * h + 4 * q + 4 * kv + 4 * I) * itemsize + (4 * (2 * h + q + kv) if itemsize < 4 else 0)
+    return tokens * c.num_hidden_layers * per
+
+
+def checkpointing_plan(model, token_budget: int):
+    """(checkpoint or not, one line why) for `--grad-checkpointing auto`: off where a full
+    micro-batch's activations (`activation_bytes`) fit in ACTIVATION_SHARE of the memory free
+    after loading (the device's, or the host's on a CPU), on otherwise."""
+    p = next(model.parameters())
+    need = activation_bytes(model.config, token_budget, p.element_size())
+    if p.device.type == "cuda":
+        free = torch.cuda.mem_get_info(p.device)[0]
+    else:
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    on = need > ACTIVATION_SHARE * free
+    return on, (f"gradient checkpointing {'on' if on else 'off'} (auto): a {token_budget}-token micro-batch keeps "
+                f"{need / 2**30:.2f} GiB of activations, {'more' if on else 'less'} than {ACTIVATION_SHARE:g} of the "
+                f"{free / 2**30:.1f} GiB free")
+
+
 # ----------------------------------------------------------------------------- LoRA
 
 # Optimizer steps taken in this process, by any optimizer: the bf16 copies of the adapters
@@ -228,12 +263,13 @@ class LoRA(nn.Module):
 
     def add_delta(self, name: str, i: int, x, out):
         """out + scale x A^T B^T in the base's dtype: x A^T (N, r), then one addmm that multiplies
-        by B^T, scales and adds to the base's output. On a bf16 base the small delta is added in
-        bf16, so a delta far below the output's bf16 resolution is lost (as in every bf16 LoRA)."""
+        by B^T, scales and adds into the base's output in place (no second (N, out) tensor: the
+        linear's backward needs its input, not its output, so autograd allows it). On a bf16 base
+        the small delta is added in bf16, so a delta far below the output's bf16 resolution is
+        lost (as in every bf16 LoRA)."""
         A, B = self.weights(name, i, out.dtype)
         u = x.reshape(-1, x.shape[-1]) @ A.t()                                  # (N, r)
-        y = torch.addmm(out.reshape(-1, out.shape[-1]), u, B.t(), alpha=self.scale)  # (N, out)
-        return y.view(out.shape)
+        return out.view(-1, out.shape[-1]).addmm_(u, B.t(), alpha=self.scale).view(out.shape)   # (N, out)
 
     def _hook(self, i: int):
         def hook(module, inputs, out):

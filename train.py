@@ -61,6 +61,7 @@ class Run:
     comm: object = None           # parallel.Comm under torchrun, else None
     tracker: object = None
     kv_budget: int = 0
+    update_plan: str = ""         # the update's line of the memory plan (gradient checkpointing, why)
     best: float = -1.0
     last_acc: float | None = None
     start: int = 0
@@ -107,7 +108,9 @@ def setup(args, comm=None):
         runfolder.fail(str(e))
     if args.problems_per_step > len(train_set):
         runfolder.fail(f"--problems-per-step {args.problems_per_step} is more than the {len(train_set)} training problems")
-    checkpointing = args.grad_checkpointing == "on" or (args.grad_checkpointing == "auto" and args.scale != "toy")
+    checkpointing, plan = args.grad_checkpointing == "on", f"gradient checkpointing {args.grad_checkpointing}"
+    if args.grad_checkpointing == "auto":
+        checkpointing, plan = policies.checkpointing_plan(model, args.token_budget)
     # seeded here, after loading: building the toy model on first use must not move the adapters' start
     torch.manual_seed(args.seed)
     policy = policies.Policy(model, tok, workflows.ROLES[args.workflow], args.sharing, args.isolation,
@@ -122,7 +125,7 @@ def setup(args, comm=None):
                 if args.damp_placebo else damping.CoherenceDamp(args.coherence_damp, args.coherence_window, comm=comm))
     return Run(args, policy, optimizers, schedulers, llm_from_flags(policy, args, kv_budget), train_set, test_set,
                runfolder.files(args.out), hyper=flags.hyper(args), params=flags.workflow_params(args), damp=damp,
-               comm=comm, kv_budget=kv_budget)
+               comm=comm, kv_budget=kv_budget, update_plan=f"update: {plan}")
 
 
 def start_run(args, comm):
@@ -132,6 +135,7 @@ def start_run(args, comm):
         run = setup(args, comm)
         if run.main:
             print(engine.memory_plan(run.policy, run.kv_budget, args))
+            print(run.update_plan)
         runfolder.open_run(run)
     except KeyboardInterrupt:
         print("interrupted while setting up: nothing to save", file=sys.stderr)

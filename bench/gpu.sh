@@ -13,7 +13,9 @@
 #    built on the device): the step's time and parts, the update's own peak memory
 #    (bench/train_step.py: the KV cache is handed back before the update), and what the decode
 #    graphs did (captured, replayed or eager, and why). A random model never stops, so every
-#    completion runs to $TRAIN_NEW tokens; --kl-coef 0.001 makes every row run the update.
+#    completion runs to $TRAIN_NEW tokens. KL 0, as the paper: a random model is never right, so
+#    bench/train_step.py --keyed-grades grades by a hash of the final text, so rewards vary within
+#    a group and the update works; it prints the update's useful TFLOP/s and share of peak.
 # decode: the decode step in the paper's regime (bench/decode.py --section paper): the 0.6B
 #    shape with LoRA r64, 120 rows, W = 512 / 2,560 / 5,120: ms per step (CUDA graphs on), and
 #    the kernel-launching ops and host syncs per step.
@@ -64,7 +66,7 @@ part "train: one training step at the $SCALE shape, Voting, $TRAIN_PROBLEMS prob
 limit 40 $PY bench/random_model.py --config "$SCALE" --device "$DEVICE" --out "$work/model" || row "training step" "no model (rc $?)"
 limit 180 $PY -u bench/train_step.py --scale "$work/model" --data toy_math --workflow voting --steps 1 \
     --problems-per-step "$TRAIN_PROBLEMS" --eval-every 0 --eval-problems 8 --max-new-tokens "$TRAIN_NEW" \
-    --kl-coef 0.001 --save-every 0 --samples-every 0 --device "$DEVICE" --quiet --out "$work/run" \
+    --kl-coef 0 --keyed-grades --save-every 0 --samples-every 0 --device "$DEVICE" --quiet --out "$work/run" \
     2>&1 | tee "$work/train.log" | grep -E "^(memory|update|rollout|engine):|Error|error" ; echo "(rc ${PIPESTATUS[0]})"
 $PY - "$work/run/metrics.jsonl" "$work/train.log" >> "$summary" <<'PY'
 import json, re, sys

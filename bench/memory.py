@@ -5,13 +5,13 @@
 
 Builds a random Qwen3 at a published width with only `--layers` layers (the activations of a
 layer do not depend on how many follow it), puts a LoRA adapter on it, and runs grpo's
-training forward (batch_logprobs with grad) over one micro-batch of `--tokens` tokens, once
+training forward (row_logprobs with grad: the packed forward) over one micro-batch of `--tokens` tokens, once
 plain and once with policies.checkpoint_layers. What the forward keeps for the backward is
 counted exactly: every tensor autograd saves (torch.autograd.graph.saved_tensors_hooks, each
 storage once), plus, when checkpointed, the inputs each checkpointed layer keeps to recompute
 from. The figures are scaled to the model's full depth and to train.py's 16,384-token
-micro-batch; the logits (tokens x vocabulary, model dtype) are the same either way and are
-reported apart. The ratio > 1 is how many times less the checkpointed forward keeps.
+micro-batch. The padded path's logits (tokens x vocabulary, model dtype, and their gradient)
+are reported apart: the packed forward keeps none (its head runs chunk by chunk). The ratio > 1 is how many times less the checkpointed forward keeps.
 """
 import argparse
 import os
@@ -20,8 +20,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the project: bench/rewards.py is not rewards
 import grpo  # noqa: E402
+import packed  # noqa: E402
 import policies  # noqa: E402
 from shapes import CONFIGS  # noqa: E402
 
@@ -48,8 +49,9 @@ def kept_by_forward(policy, tokens, checkpointed):
         tuc.checkpoint = counting
         policies.checkpoint_layers(policy.model)
     prompt, completion = [[5] * 16], [[7] * (tokens - 16)]
-    with policy.using("shared") as model, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lp, _, _ = grpo.batch_logprobs(model, prompt, completion, 1.0)
+    with policy.using("shared") as model, packed.attention(model), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, _, _ = grpo.row_logprobs(model, prompt, completion, 1.0)
         lp.sum().backward()   # the backward recomputes layers: the adapter stays on
     return sum(storages.values())
 
@@ -79,7 +81,7 @@ def main():
     for k, name in ((False, "every activation kept"), (True, "layers checkpointed")):
         print(f"  {name:22s}: {per[k] / 1024:8.1f} KiB per token per layer -> {full[k]:7.1f} GiB for a "
               f"16,384-token micro-batch of all {DEPTH[args.config]} layers")
-    print(f"  (+ logits and their gradient, either way: {logits:.1f} GiB)")
+    print(f"  (the padded path's logits and their gradient, either way: {logits:.1f} GiB; the packed forward keeps none)")
     print(f"ratio (kept / checkpointed): {kept[False] / max(kept[True], 1):.1f}x")
 
 

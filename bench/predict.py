@@ -23,9 +23,10 @@ mean_len=2000). The counts per decode step come from bench/decode.py --section o
 - a stage's prefill: its distinct prompts through 2 x params FLOPs a token plus the attention's
   P x P square (before: all of it, an explicit mask; after: half, the causal kernel), and (after)
   one CUDA graph capture every `steps_per_capture` decode steps;
-- the update: every sample's prompt + completion through 8 x params FLOPs a token (the old
-  logprobs' forward, the training forward, the checkpointed recompute, the backward to the
-  activations) plus causal attention, at the training efficiency of the GPU's bf16 peak.
+- the update: every sample's prompt + completion through the passes grpo.update runs (the
+  training forward, the backward to the activations, the old logprobs' forward on three
+  quarters of the rows; a recompute only where the activations do not fit) plus causal attention, at the
+  efficiency the H200 run measured (`train_eff`; each constant prints its source).
 """
 import argparse
 import math
@@ -38,7 +39,10 @@ SCALES = {  # params (B), layers, hidden, kv heads, head_dim, query heads
 }
 CONSTANTS = dict(
     bw_eff=0.75,            # share of peak HBM bandwidth a decode step's reads reach
-    train_eff=0.40,         # share of peak bf16 FLOP/s the update reaches (MFU)
+    train_eff=0.14,         # share of peak bf16 FLOP/s the update reaches (MFU, of the FLOPs update_s counts)
+    old_share=0.75,         # rows whose old logprobs need a forward of their own (all but the first mini-batch)
+    act_share=0.5,          # share of the free memory a micro-batch's activations may take unchecked
+    token_budget=16384,     # tokens per training micro-batch
     host_us_per_op=9.0,     # host time of one eagerly issued op (PyTorch + transformers' Python), us
     gap_us_eager=2.5,       # device time between two eagerly launched kernels, us
     gap_us_graph=1.0,       # device time between two kernels of a replayed CUDA graph, us
@@ -64,6 +68,24 @@ CONSTANTS = dict(
                             # 33 without engine.HEADROOM)
     prefill_eff=0.40,       # share of peak bf16 FLOP/s a prefill reaches
 )
+
+
+SOURCES = {   # where each constant comes from: a measurement, a count, or "assumed" (none is above 1)
+    "bw_eff": "assumed (the H200 run of docs/BENCHMARKS.md measured about 0.42 between widths 2,560 and 5,120)",
+    "train_eff": "the H200 run of docs/BENCHMARKS.md: 1312004's update, 3.0 PFLOP by its count in 22.3 s, 0.14 of "
+                 "989 TFLOP/s; assumed to hold for the packed update until bench/gpu.sh measures it",
+    "old_share": "counted from grpo.update: 4 mini-batches per adapter at the paper's 2,048 calls",
+    "act_share": "policies.ACTIVATION_SHARE (--grad-checkpointing auto)", "token_budget": "train.py's default",
+    "ops_before": "bench/decode.py --section ops, a64386d", "ops_after": "bench/decode.py --section ops",
+    "ops_after_outside": "bench/decode.py --section ops",
+    "steps_per_capture": "tests/test_cudagraphs.py's paper-like voter call; the H200 run gave 127",
+    "capture_ms": "stated; the H200 run gave 0.9 s for 6 captures",
+    "problems": "the paper's settings (docs: DESIGN.md)", "rollouts": "the paper's settings", "cap": "the paper's math cap",
+}
+
+
+def source(name):
+    return SOURCES.get(name, "assumed")
 
 
 def lengths(c):
@@ -119,11 +141,30 @@ def prefill_s(s, gpu, c, prompts, length, after):
     return flops / (gpu["tflops"] * 1e12 * c["prefill_eff"])
 
 
-def update_s(s, gpu, c, samples):
-    """Seconds of the update: (tokens per sample, count) pairs through 8 x params FLOPs a token + attention."""
+MLP = {"0.6b": 3072, "1.7b": 6144, "4b": 9728}   # intermediate sizes (Qwen3's configs)
+
+
+def checkpointed(s, gpu, c, scale):
+    """Whether policies.checkpointing_plan turns gradient checkpointing on: a micro-batch's
+    activations (policies.activation_bytes, bf16) above act_share of the memory free after the
+    weights."""
+    q, kv, h = s["heads"] * s["head_dim"], s["kv"] * s["head_dim"], s["hidden"]
+    per = (6 * h + 4 * q + 4 * kv + 4 * MLP[scale]) * 2 + 4 * (2 * h + q + kv)
+    free = gpu["hbm_gb"] * 1e9 - s["params"] * 2e9 - c["reserved_gb"] * 1e9
+    return c["token_budget"] * s["layers"] * per > c["act_share"] * free
+
+
+def update_s(s, gpu, c, samples, scale):
+    """Seconds of the update: (tokens per sample, count) pairs through the passes grpo.update runs,
+    in forward-sized passes of 2 x params FLOPs a token: the training forward, the backward to
+    the activations (the base is frozen: one pass), the old logprobs' forward on `old_share` of
+    the rows, a recompute where checkpointed (`checkpointed`); plus causal attention, 2 L^2 Hq D a
+    layer a pass (its backward two passes); at `train_eff` of the bf16 peak."""
+    passes = 2 + c["old_share"] + checkpointed(s, gpu, c, scale)
     flops = 0.0
     for tokens, n in samples:
-        flops += n * (8 * s["params"] * 1e9 * tokens + 4 * 2 * tokens * tokens * s["heads"] * s["head_dim"] * s["layers"])
+        flops += n * (2 * s["params"] * 1e9 * tokens * passes
+                      + 2 * tokens * tokens * s["heads"] * s["head_dim"] * s["layers"] * (passes + 1))
     return flops / (gpu["tflops"] * 1e12 * c["train_eff"])
 
 
@@ -141,7 +182,7 @@ def predict(scale, gpu_name, c, workflow, after):
         parts["aggregator"], _, _ = stage(s, gpu, c, episodes, agg_prompt, c["agg_len"], 2 * c["agg_len"] ** 2,
                                           4 * c["agg_len"], after, episodes)
         samples.append((agg_prompt + c["agg_len"], episodes))
-    parts["update"] = update_s(s, gpu, c, samples)
+    parts["update"] = update_s(s, gpu, c, samples, scale)
     return parts, S, ms
 
 
@@ -155,7 +196,9 @@ def main():
         k, v = kv.split("=")
         c[k] = type(c[k])(float(v))
     mean, m2, _ = lengths(c)
-    print("assumed:", ", ".join(f"{k}={v:g}" for k, v in c.items()))
+    print("constants (NAME=VALUE: source):")
+    for k, v in c.items():
+        print(f"  {k}={v:g}: {source(k)}{' (set here)' if v != CONSTANTS[k] else ''}")
     print("gpus:", ", ".join(f"{k} {v['hbm_gb']} GB {v['tb_s']} TB/s {v['tflops']} TFLOP/s bf16" for k, v in GPUS.items()))
     print(f"generator completions: mean {mean:.0f} tokens, a row in flight is {m2 / (2 * mean):.0f} past its prompt on average")
     print(f"\n{args.workflow}, {c['problems']} problems x {c['rollouts']} rollouts; minutes per training step (a prediction)")

@@ -31,6 +31,7 @@ from conftest import refused
     ("--lr-role", "generator=-1", "--lr-role VALUE must be >= 0"),
     ("--lr-role", "generator=fast", "--lr-role 'generator=fast': expected ROLE=VALUE with a number"),
     ("--lr-role", "critic=0", "--lr-role critic: not a role of voting"),
+    ("--tis", "0.5", "--tis C needs C > 1 and --top-p 1"),
 ])
 def test_values_that_cannot_be_meant_are_refused_in_one_line(capsys, tmp_path, flag, value, message):
     line = refused(capsys, [flag, value, "--out", str(tmp_path / "r")])
@@ -55,6 +56,13 @@ def test_a_cuda_index_the_machine_lacks_is_one_line(capsys, tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     err = refused(capsys, ["--device", "cuda:7", "--out", str(tmp_path / "r")])
     assert "--device cuda:7: this machine has 1 CUDA device(s), cuda:0 to cuda:0" in err
+
+
+def test_tis_under_top_p_is_refused_in_one_line(capsys, tmp_path):
+    """The sampler stores the full distribution's logprob under top-p: the weights would be biased."""
+    line = refused(capsys, ["--tis", "2", "--top-p", "0.9", "--out", str(tmp_path / "r")])
+    assert "--top-p 1: under top-p the sampler stores" in line and not (tmp_path / "r").exists()
+    assert flags.hyper(flags.parse_args(["--tis", "2", "--out", str(tmp_path / "r")])).tis == 2.0
 
 
 def test_zero_means_what_the_help_says(tmp_path):

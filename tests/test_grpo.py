@@ -106,8 +106,9 @@ def test_samples_from_episodes_slot_and_role_groups():
 
 # ----------------------------------------------------------------------------- objective
 
-def _naive(lp, old, adv, mask, ref, beta, norm, cl=0.2, ch=0.28, c=3.0):
-    """Per-token Python floats: loss, d loss / d logp, number of clipped tokens."""
+def _naive(lp, old, adv, mask, ref, beta, norm, cl=0.2, ch=0.28, c=3.0, tis=None):
+    """Per-token Python floats: loss, d loss / d logp, number of clipped tokens; `tis` the
+    truncated importance weights of the policy term (None: 1)."""
     B, T = len(lp), len(lp[0])
     n_tok = sum(map(sum, mask))
     loss, grad, n_clip = 0.0, [[0.0] * T for _ in range(B)], 0
@@ -124,6 +125,8 @@ def _naive(lp, old, adv, mask, ref, beta, norm, cl=0.2, ch=0.28, c=3.0):
                 l, g, n_clip = c * abs(A), 0.0, n_clip + 1
             elif sc > surr:                   # clip-low / clip-high
                 g, n_clip = 0.0, n_clip + 1
+            if tis is not None:
+                l, g = tis[i][t] * l, tis[i][t] * g
             if beta:
                 d = ref[i][t] - lp[i][t]
                 l += beta * (math.exp(d) - d - 1)
@@ -164,6 +167,79 @@ def test_objective_equals_naive_reference(norm, beta):
                             loss_norm=norm, denom=denom, ref_logp=ref[s], kl_coef=beta)[0]
              for s in (slice(0, 2), slice(2, B))]
     assert float(sum(parts)) == pytest.approx(n_loss, rel=1e-10)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3])
+def test_tis_weighted_loss_equals_hand_computation(beta):
+    """--tis C: each token's policy term times min(exp(old - sampler), C), the KL term unweighted."""
+    g = torch.Generator().manual_seed(2)
+    B, T, C = 4, 5, 2.0
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp - torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
+    sampler = old - torch.tensor([-2.0, -0.5, 0.0, 0.3, 1.5], dtype=torch.float64)   # ratios e^-2 .. e^1.5
+    ref = logp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5
+    adv = torch.tensor([1.1, -0.6, -1.7, 0.4], dtype=torch.float64)
+    mask = torch.arange(T)[None, :] < torch.tensor([5, 2, 4, 5])[:, None]
+    w = grpo.tis_weights(old, sampler, C)
+    hand = [[min(math.exp(o - s), C) for o, s in zip(ro, rs)] for ro, rs in zip(old.tolist(), sampler.tolist())]
+    assert torch.allclose(w, torch.tensor(hand, dtype=torch.float64), rtol=1e-12)
+    assert float(w.max()) == pytest.approx(C) and float(w.min()) == pytest.approx(math.exp(-2.0))
+    x = logp.clone().requires_grad_(True)
+    loss = grpo.objective(x, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_c=3.0, loss_norm="seq",
+                          denom=B, ref_logp=ref, kl_coef=beta, tis=w)[0]
+    loss.backward()
+    n_loss, n_grad, _ = _naive(logp.tolist(), old.tolist(), adv.tolist(), mask.int().tolist(), ref.tolist(),
+                               beta, "seq", tis=hand)
+    assert loss.item() == pytest.approx(n_loss, rel=1e-10)
+    assert torch.allclose(x.grad, torch.tensor(n_grad, dtype=torch.float64), atol=1e-12)
+    plain = grpo.objective(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_c=3.0, loss_norm="seq",
+                           denom=B, ref_logp=ref, kl_coef=beta)[0]
+    assert plain.item() != pytest.approx(n_loss, rel=1e-3)   # the weights did something
+
+
+def test_micro_loss_weights_tokens_by_the_sampler_ratio():
+    """The update's wiring of --tis: the sampler's stored logprobs against the old ones."""
+    pol = make_policy(("generator",), "shared")
+    S = sampled(pol, [("generator", "generator0", [3, 4, 5], 1.0), ("generator", "generator1", [6, 7], -1.0)])
+    S[0].sampler_logprobs = [x - 0.4 for x in S[0].sampler_logprobs]    # p_old / p_sampler = e^0.4
+    S[1].sampler_logprobs = [x + 3.0 for x in S[1].sampler_logprobs]    # e^-3
+    hp = grpo.Hyper(temperature=TEMP, tis=1.3)
+    with pol.using("shared") as m:
+        loss, _, used = grpo.micro_loss(m, S, [0, 1], {}, {}, hp, 2)
+        logp, _, mask = grpo.batch_logprobs(m, [s.prompt_ids for s in S], [s.completion_ids for s in S], TEMP)
+    T = logp.shape[1]
+    old = grpo._padded([used[i][0] for i in (0, 1)], T, logp.device)
+    w = torch.tensor([[1.3], [math.exp(-3.0)]]).expand(2, T)     # e^0.4 = 1.49 is capped at 1.3
+    want = grpo.objective(logp, old, torch.tensor([1.0, -1.0]), mask, clip_low=0.2, clip_high=0.28, clip_c=3.0,
+                          loss_norm="seq", denom=2, tis=w)[0]
+    assert loss.item() == pytest.approx(want.item(), rel=1e-4)
+    plain = grpo.micro_loss(pol.model, S, [0, 1], {}, {}, grpo.Hyper(temperature=TEMP), 2)[0]
+    assert loss.item() != pytest.approx(plain.item(), rel=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampler_drift_and_tis_weights_by_dtype(dtype):
+    """bf16 on a CPU: the sampler's incremental decode and the trainer's whole-row forward round
+    differently, so the gap is not 0 and the weights need their cap; fp32: weights 1."""
+    pol = make_policy(("generator",), "shared")
+    pol.model.to(dtype)
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18]] * 2
+    with torch.no_grad(), pol.using("shared") as m:
+        gen = engine.generate(m, prompts, 24, STOP, PAD, temperature=TEMP, seed=5)
+        S = [grpo.Sample("generator", "g", "p", p, gen.tokens[i, :n].tolist(), gen.logprobs[i, :n].tolist(), True,
+                         1.0, 1.0) for i, (p, n) in enumerate(zip(prompts, gen.mask.sum(1).tolist()))]
+        old, _ = grpo.sequence_logprobs(m, S, TEMP)
+    C = 1.02
+    gaps = [grpo.drift(o, grpo.sampler_logprobs(s, o), C) for o, s in zip(old, S)]
+    w = torch.cat([grpo.tis_weights(o, grpo.sampler_logprobs(s, o), C) for o, s in zip(old, S)])
+    largest = max(g[1] for g in gaps)
+    assert float(w.max()) <= C * (1 + 1e-6)
+    if dtype == torch.float32:
+        assert largest < 1e-4 and torch.allclose(w, torch.ones_like(w), atol=1e-4)
+        assert sum(g[3] for g in gaps) == 0
+    else:
+        assert largest > 1e-3 and sum(g[2] for g in gaps) > 0          # a gap, and a KL estimate above 0
+        assert float((w - 1).abs().max()) > 1e-3
 
 
 def test_token_logprobs_chunked_equals_log_softmax(monkeypatch):
@@ -210,6 +286,99 @@ def test_recomputed_logprobs_equal_sampler_logprobs():
             assert lp.shape == (len(s.completion_ids),) and lp.dtype == torch.float32
             assert torch.allclose(lp, torch.tensor(s.sampler_logprobs), atol=1e-5)
             assert bool((e > 0).all())
+
+
+@pytest.mark.parametrize("isolation", ["lora", "full"])
+def test_packed_forward_equals_the_padded_one(monkeypatch, isolation):
+    """packed.logprobs (no pad token, the head only at completion positions, in chunks) against
+    grpo.batch_logprobs (the plain layout): logprobs, entropies and the trainable weights'
+    gradients, with runs of equal-length rows and rows alone; a trainable head (full copies)
+    takes the backward that rebuilds its logits."""
+    import packed
+    monkeypatch.setattr(packed, "CHUNK_ELEMS", 64 * 5)   # 5 rows a chunk: several chunks
+    pol = make_policy(("generator",), "shared") if isolation == "lora" else policies.Policy(
+        tiny_qwen3(), None, ("generator",), "shared", isolation="full")
+    prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21], [22]]
+    comps = [[30, 31, 32], [33, 34, 35, 36, 37, 38], [39, 40, 41, 42, 43, 44], [45, 46, 47, 48, 49, 50], [51], [52, 53]]
+    params = pol.parameters_of("shared")
+    out = []
+    for path in ("padded", "packed"):
+        for p in params:
+            p.grad = None
+        with pol.using("shared") as m:
+            if path == "padded":
+                lp, ent, mask = grpo.batch_logprobs(m, prompts, comps, TEMP, entropy=True)
+            else:
+                lp, ent, mask = grpo.row_logprobs(m, prompts, comps, TEMP, entropy=True)
+            w = torch.linspace(-1, 1, lp.numel()).view_as(lp)
+            (lp * w * mask).sum().backward()
+        out.append((lp.detach(), ent, mask, [p.grad.clone() for p in params if p.grad is not None]))
+    (lp0, e0, m0, g0), (lp1, e1, m1, g1) = out
+    assert torch.equal(m0, m1) and packed.row_runs([4, 4, 7, 7, 7, 2]) == ((0, 2, 4), (8, 3, 7), (29, 1, 2))
+    assert torch.allclose(lp0, lp1, atol=2e-5) and torch.allclose(e0, e1, atol=2e-5)
+    assert len(g0) == len(g1) and len(g0) > 0
+    for a, b in zip(g0, g1):   # elementwise, fp32 rounding of sums in another order
+        assert float((a - b).norm()) <= 1e-5 * float(a.norm()) + 1e-7
+    if isolation == "full":   # the head's own gradient went through the rebuilding backward
+        head = pol.copies["shared"].get_output_embeddings().weight
+        assert head.grad is not None and float(head.grad.norm()) > 0
+
+
+def test_packed_micro_batches_count_their_own_tokens():
+    S = [grpo.Sample("g", "g", "p", [3] * p, [4] * t, [], True, 0.0, 0.0)
+         for p, t in [(5, 3), (2, 9), (7, 7), (1, 1), (4, 4), (30, 10)]]
+    mbs = grpo.forward_batches(S, list(range(len(S))), token_budget=20, packing=True)
+    assert sorted(i for mb in mbs for i in mb) == list(range(len(S)))
+    for mb in mbs:
+        assert sum(len(S[i].prompt_ids) + len(S[i].completion_ids) for i in mb) <= 20 or len(mb) == 1
+    assert len(mbs) < len(grpo.forward_batches(S, list(range(len(S))), token_budget=20))
+
+
+@pytest.mark.parametrize("kl", [0.0, 0.1])
+def test_the_update_runs_only_the_passes_grpo_needs(kl):
+    """Reference forward only with a KL coefficient; a no-grad (old-logprob) forward only for the
+    rows after the first mini-batch; entropies only for a probe that logs them."""
+    pol = make_policy(("generator", "aggregator"), "shared")
+    S = sampled(pol, ROWS)
+    seen = []   # (adapter active, grad on, positions) of every forward
+    pol.model.get_input_embeddings().register_forward_hook(
+        lambda m, i, o: seen.append((pol.lora.active, torch.is_grad_enabled(), i[0].numel())))
+
+    class Reads(grpo.Probe):
+        def begin(self, samples, runs):
+            self.old = {}
+
+        def old_logprobs(self, old):
+            self.old.update(old)
+    probe = Reads()
+    opts, scheds = grpo.make_optimizers(pol, lr=1e-3, warmup_steps=0, total_steps=10)
+    h = grpo.Hyper(temperature=TEMP, mini_batch=3, kl_coef=kl)   # 5 rows: mini-batches of 2 and 3
+    shuffle = torch.Generator().manual_seed(0)
+    first = grpo.optimizer_batches(grpo.adapter_rows(pol, S, "shared", torch.Generator().manual_seed(0)), 3)[0]
+    grpo.update(pol, opts, scheds, S, h, shuffle=shuffle, probe=probe)
+    own = lambda rows: sum(len(S[i].prompt_ids) + len(S[i].completion_ids) - 1 for i in rows)   # noqa: E731
+    later = own(set(range(len(S))) - set(first))
+    # no grad: the old logprobs of the later rows (adapter folded, so no adapter active), and
+    # with KL the reference forward of every row
+    assert sum(n for a, g, n in seen if not g) == later + (own(range(len(S))) if kl else 0)
+    assert sum(n for a, g, n in seen if g) == own(range(len(S)))   # one training forward a row
+    assert set(probe.old) == set(range(len(S))) and all(e is None for _, e in probe.old.values())
+
+
+def test_the_packed_update_equals_the_padded_one():
+    """A whole update, packed or through the plain layout, from the same weights: the same
+    weights after, within fp32 rounding (the toy run's samples do not move: its report)."""
+    after = []
+    for packing in (False, True):
+        pol = make_policy(("generator", "aggregator"), "shared")
+        S = sampled(pol, ROWS)
+        opts, scheds = grpo.make_optimizers(pol, lr=1e-2, warmup_steps=0, total_steps=10)
+        step(pol, opts, scheds, S, mini_batch=2, token_budget=16, packing=packing)
+        after.append(snapshot(pol.parameters_of("shared")))
+    assert any(not torch.equal(a, b) for a, b in zip(after[0], snapshot(make_policy(("generator", "aggregator"),
+                                                                                 "shared").parameters_of("shared"))))
+    for a, b in zip(*after):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- the update

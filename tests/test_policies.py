@@ -169,7 +169,7 @@ def test_lora_in_bf16_is_two_matmuls_on_casts_kept_until_the_adapter_changes():
         lin(x)                                                 # the first call makes the bf16 copies
         with Ops() as seen:
             out = lin(x)
-        assert [o for o in seen.ops if o not in ("view", "t", "_unsafe_view")] == ["mm", "mm", "addmm"]  # base, x A^T, + B^T
+        assert [o for o in seen.ops if o not in ("view", "t", "_unsafe_view")] == ["mm", "mm", "addmm_"]  # base, x A^T, += B^T
         with pol.using(None):
             base = lin(x)
     A, B = pol.lora.A["shared"][0], pol.lora.B["shared"][0]
@@ -210,3 +210,30 @@ def test_bf16_copies_follow_an_optimizer_step_that_moves_no_version_counter():
     with pol.using("shared"):
         want = lin(x).detach()                         # with grad: fresh casts of the parameters
     assert torch.equal(sampled(), want) and not torch.equal(want, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_count_matches_what_the_packed_forward_saves(monkeypatch, dtype):
+    """policies.activation_bytes, which --grad-checkpointing auto reads, against the bytes autograd
+    actually keeps for a training forward (LoRA on, packed rows; weights not counted); and the
+    plan it decides."""
+    import grpo
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, vocab_size=300, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).eval().requires_grad_(False).to(dtype)
+    pol = policies.Policy(model, None, ("g",), "shared", rank=8, alpha=16)
+    weights = {p.data_ptr() for p in pol.parameters()}
+    kept = {}
+    prompts, comps = [[5] * 100] * 4, [[7] * 50] * 4
+    with pol.using("shared") as m, torch.autograd.graph.saved_tensors_hooks(
+            lambda t: kept.setdefault(t.data_ptr(), t.untyped_storage().nbytes()) and t, lambda t: t):
+        grpo.row_logprobs(m, prompts, comps, 0.7)
+    count = policies.activation_bytes(cfg, sum(len(p) + len(c) - 1 for p, c in zip(prompts, comps)),
+                                      torch.tensor([], dtype=dtype).element_size())
+    assert 0.75 < count / sum(v for k, v in kept.items() if k not in weights) < 1.25
+    on, line = policies.checkpointing_plan(model, 16384)
+    assert not on and "gradient checkpointing off (auto)" in line
+    monkeypatch.setattr(policies, "ACTIVATION_SHARE", 1e-9)
+    on, line = policies.checkpointing_plan(model, 16384)
+    assert on and "gradient checkpointing on (auto)" in line and "more than" in line
