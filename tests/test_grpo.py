@@ -612,8 +612,8 @@ def test_skipping_zero_advantage_rows_changes_no_gradient_and_no_diagnostic(shar
         for k, v in full.get(key, {}).items():
             assert skipped[key][k] == pytest.approx(v, rel=1e-6)
     for role, pairs in full["slot_cos"].items():
-        for k, v in pairs.items():
-            assert skipped["slot_cos"][role][k] == pytest.approx(v, rel=1e-5)
+        for k, v in pairs.items():   # a cosine near 0 (-0.006 here) is judged on its [-1, 1] scale
+            assert skipped["slot_cos"][role][k] == pytest.approx(v, rel=1e-5, abs=1e-6)
 
 
 def test_per_optimizer_step_norm_is_the_norm_of_the_applied_gradient():
