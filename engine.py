@@ -82,6 +82,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -112,6 +113,12 @@ ATTN_GROUPS = 32           # at most this many runs _cheapest partitions of prom
 # the 0.6B shape; a row of 1,000 columns attends 3% more than its own). CPU: 8, so a 20-token
 # prompt with a few new tokens holds about what it has (tests/test_sampler.py measures it).
 PAGE = {"cuda": 64, "cpu": 8}
+# How a decode step attends the rows' pages. "pages": page by page, each row exactly its own
+# columns (paged_attention); its many small products suit a GPU, where launches are in a graph and
+# the K/V read is the cost. "rows": each row's pages gathered into one row as wide as the step's
+# widest, then one SDPA call (row_attention): on a CPU, where each op's overhead counts, about
+# half the time of "pages" at the small shape of bench/generate.py (it attends the padding).
+ATTEND = {"cuda": "pages", "cpu": "rows"}
 # generate calls' weights whose decode graphs (and the buffers they read) are kept: one a role's
 # adapter under --sharing isolated; the oldest go first
 KEEP_WEIGHTS = 8
@@ -240,7 +247,7 @@ def paged_attention(query, pool_k, pool_v, step, scaling: float):
     Hkv = pool_k.shape[1]
     g = Hq // Hkv
     q = query.reshape(n, Hkv, g, D)[step.rows_q]                     # (C, Hkv, g, D): each page's row
-    k, v = pool_k[step.pages], pool_v[step.pages]                    # (C, Hkv, PAGE, D) gathered
+    k, v = pool_k.index_select(0, step.pages), pool_v.index_select(0, step.pages)   # (C, Hkv, PAGE, D) gathered
     s = (q @ k.transpose(-1, -2)).float() * scaling                  # (C, Hkv, g, PAGE) fp32
     s = s.masked_fill(~step.mask, float("-inf"))                     # every page has a valid column
     m = s.amax(-1)                                                   # (C, Hkv, g)
@@ -255,6 +262,23 @@ def paged_attention(query, pool_k, pool_v, step, scaling: float):
     # a row with no page (a free slot in the row bucket) has den 0: it gets 0, not NaN
     out = num[:n] / den[:n, ..., None].clamp(min=torch.finfo(den.dtype).tiny)   # (n, Hkv, g, D)
     return out.to(query.dtype).reshape(n, 1, Hq, D)
+
+
+def row_attention(query, pool_k, pool_v, step, scaling: float):
+    """One-token queries (n, Hq, 1, D) over their rows' pages gathered into rows: step.table
+    (n, P) each row's pages (the trash page past its own), step.row_mask (n, 1, 1, P x PAGE) its
+    own columns; one SDPA call with the query heads of a KV head folded into the query axis (no
+    K/V copy per head). Returns (n, 1, Hq, D)."""
+    n, Hq, _, D = query.shape
+    Hkv, page = pool_k.shape[1], pool_k.shape[2]
+    P = step.table.shape[1]
+
+    def rows(pool):   # (n, Hkv, P x PAGE, D): pages of a row side by side
+        return pool.index_select(0, step.table.reshape(-1)).view(n, P, Hkv, page, D).transpose(1, 2) \
+            .reshape(n, Hkv, P * page, D)
+    out = F.scaled_dot_product_attention(query.reshape(n, Hkv, Hq // Hkv, D), rows(pool_k), rows(pool_v),
+                                         attn_mask=step.row_mask, scale=scaling)      # (n, Hkv, g, D)
+    return out.reshape(n, 1, Hq, D)
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged=None,
@@ -314,6 +338,7 @@ class _Writes:
         self.columns = torch.arange(page, device=device)
         self.is_prefill = False
         self.at = self.pages = self.rows = self.rows_q = self.mask = None
+        self.table = self.row_mask = None   # ATTEND "rows": (n, P) pages, (n, 1, 1, P x PAGE) columns
 
     def slots(self, page, offset):
         """Flat indices (..., H) into a layer's (pages * H * PAGE, D) view: page, head, offset."""
@@ -875,7 +900,8 @@ class _Slots:
         """Layer i of a decode step: its new K/V into the call's pool, then the rows' pages."""
         layer = self.cache.layers[i]
         layer.write(key_states, value_states)
-        return paged_attention(query, layer.keys, layer.values, self.writes, scaling)
+        attend = row_attention if self.writes.table is not None else paged_attention
+        return attend(query, layer.keys, layer.values, self.writes, scaling)
 
 
 _KEPT = {}   # (device, weights) -> _Slots of graphed calls, at most KEEP_WEIGHTS, oldest first
@@ -921,6 +947,7 @@ class _Decoder:
         self.model, self.cache, self.writes, self.st, self.slots = model, cache, writes, st, slots
         slots.cache, slots.writes = cache, writes
         self.cache_kw = cache_kwarg(model)
+        self.rows = ATTEND[_kind(st.dev.out.device)] == "rows"
         self.eager_steps = self.attended = self.own = 0
 
     def plan(self) -> int:
@@ -938,8 +965,16 @@ class _Decoder:
         write = np.where(h.busy[:n] == 1, pg.table[np.arange(n), h.pos[:n] // page], 0)   # (n,) free slots: trash
         meta = np.concatenate([write, np.where(h.busy[:n] == 1, h.pos[:n] % page, 0), pages, rows, valid])
         self.writes.meta[:len(meta)].copy_(_to(meta, self.writes.meta.device), non_blocking=True)
-        self.attended += len(rows) * page
         self.own += int(width.sum())
+        if self.rows:     # the pages of each row side by side, as many as the widest row's
+            P = int(count.max())
+            table = np.where(np.arange(P) < count[:, None], pg.table[:n, :P], 0)              # (n, P)
+            own = np.arange(P * page) < np.maximum(width, 1)[:, None]    # a free slot: one trash column, not NaN
+            self.writes.table, self.writes.row_mask = _to(table, self.writes.meta.device), \
+                _to(own, self.writes.meta.device)[:, None, None]
+            self.attended += n * P * page
+        else:
+            self.attended += len(rows) * page
         return len(rows)
 
     def forward(self, n: int) -> None:

@@ -324,7 +324,7 @@ def simulate_voter_call(monkeypatch, rows: int = 512, seed: int = 0, calls: int 
     0.9) cut at 5,120 tokens (each row's limit, so it ends there), in the pages a 0.85 KV budget
     holds on an H200 at the 0.6B shape (112 KiB a token), `calls` times in one process. The
     graphs are the stand-in's (no replay work). Returns the calls' counts."""
-    for name in ("PAGE", "STOP_EVERY", "PREFILL_CALL"):
+    for name in ("PAGE", "ATTEND", "STOP_EVERY", "PREFILL_CALL"):
         monkeypatch.setitem(getattr(engine, name), "cpu", getattr(engine, name)["cuda"])
     fake = FakeCuda(execute=False)
     monkeypatch.setattr(cudagraphs, "cuda", fake)

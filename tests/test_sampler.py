@@ -1,5 +1,6 @@
 """engine.generate against model.generate, the plain rollout.generate_simple, a teacher-forced
 recompute, and itself: the engine's spec (engine.py's docstring names the invariants)."""
+import itertools
 from collections import Counter
 
 import pytest
@@ -503,23 +504,24 @@ MIXED_LIMITS = LIMITS + [6, 13]
 
 @pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
 def test_pages_of_any_size_sample_what_generate_simple_does(build, monkeypatch):
-    # pages of 1, 3 and 8 tokens (rows cross page boundaries at every step, some, or seldom), small
-    # budgets that refill and keep prompts for later copies: greedy and keyed sampling must not notice
+    # pages of 1, 3 and 8 tokens (rows cross page boundaries at every step, some, or seldom), attended
+    # page by page (CUDA's paged_attention) or in rows (a CPU's row_attention), small budgets that
+    # refill and keep prompts for later copies: greedy and keyed sampling must not notice
     m = build(seed=0)
     prompts, limits = MIXED + MIXED[:3], MIXED_LIMITS + MIXED_LIMITS[:3]   # some prompts twice
     keys = [seeds.key("mixed", i) for i in range(len(prompts))]
     for temperature, top_p in ((0, 1.0), (0.7, 0.9)):
         simple = rollout.generate_simple(m, prompts, limits, STOP, PAD, temperature=temperature, top_p=top_p,
                                          seed=3, keys=keys)
-        for page in (1, 3, 8):
+        for page, attend, rows in itertools.product((1, 3, 8), ("pages", "rows"), (1, 3, None)):
             monkeypatch.setitem(engine.PAGE, "cpu", page)
-            for rows in (1, 3, None):
-                stats = {}
-                fast = engine.generate(m, prompts, limits, STOP, PAD, temperature=temperature, top_p=top_p, seed=3,
-                                       keys=keys, stats=stats,
-                                       kv_budget=None if rows is None else budget_for(m, rows, prompts, limits))
-                assert_same_generation(fast, simple)
-                assert stats["own_columns"] <= stats["attended_columns"]
+            monkeypatch.setitem(engine.ATTEND, "cpu", attend)
+            stats = {}
+            fast = engine.generate(m, prompts, limits, STOP, PAD, temperature=temperature, top_p=top_p, seed=3,
+                                   keys=keys, stats=stats,
+                                   kv_budget=None if rows is None else budget_for(m, rows, prompts, limits))
+            assert_same_generation(fast, simple)
+            assert stats["own_columns"] <= stats["attended_columns"]
 
 
 def test_a_long_prompt_among_short_ones_holds_about_its_rows_own_tokens():
