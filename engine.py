@@ -236,7 +236,7 @@ ATTENTION = "marl_pages"  # the name decode_attention has in transformers' Atten
 
 def paged_attention(query, pool_k, pool_v, step, scaling: float):
     """One-token queries (n, Hq, 1, D) over their rows' pages: step.pages (C,) pages of the pools
-    (pages, Hkv, PAGE, D), page c attended by row step.rows[c] over its first step.valid[c]
+    (pages, PAGE, Hkv, D), page c attended by row step.rows[c] over its first step.valid[c]
     columns (step.mask (C, 1, 1, PAGE)). Each page is attended on its own (its max and sum kept),
     then a row's pages are joined: out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M the
     row's largest m_c: the softmax over the row's columns, whatever their pages. The g = Hq / Hkv
@@ -244,11 +244,12 @@ def paged_attention(query, pool_k, pool_v, step, scaling: float):
     repeat_kv pairs them), so no K/V is copied per head. A pad page (CUDA's page buckets) belongs
     to row n, dropped. Returns (n, 1, Hq, D)."""
     n, Hq, _, D = query.shape
-    Hkv = pool_k.shape[1]
+    Hkv = pool_k.shape[2]
     g = Hq // Hkv
     q = query.reshape(n, Hkv, g, D)[step.rows_q]                     # (C, Hkv, g, D): each page's row
-    k, v = pool_k.index_select(0, step.pages), pool_v.index_select(0, step.pages)   # (C, Hkv, PAGE, D) gathered
-    s = (q @ k.transpose(-1, -2)).float() * scaling                  # (C, Hkv, g, PAGE) fp32
+    k, v = pool_k.index_select(0, step.pages), pool_v.index_select(0, step.pages)   # (C, PAGE, Hkv, D) gathered
+    k, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)                  # (C, Hkv, D, PAGE), (C, Hkv, PAGE, D)
+    s = (q @ k).float() * scaling                                    # (C, Hkv, g, PAGE) fp32
     s = s.masked_fill(~step.mask, float("-inf"))                     # every page has a valid column
     m = s.amax(-1)                                                   # (C, Hkv, g)
     p = torch.exp(s - m[..., None])                                  # (C, Hkv, g, PAGE)
@@ -270,12 +271,11 @@ def row_attention(query, pool_k, pool_v, step, scaling: float):
     own columns; one SDPA call with the query heads of a KV head folded into the query axis (no
     K/V copy per head). Returns (n, 1, Hq, D)."""
     n, Hq, _, D = query.shape
-    Hkv, page = pool_k.shape[1], pool_k.shape[2]
-    P = step.table.shape[1]
+    page, Hkv = pool_k.shape[1], pool_k.shape[2]
+    W = step.table.shape[1] * page
 
-    def rows(pool):   # (n, Hkv, P x PAGE, D): pages of a row side by side
-        return pool.index_select(0, step.table.reshape(-1)).view(n, P, Hkv, page, D).transpose(1, 2) \
-            .reshape(n, Hkv, P * page, D)
+    def rows(pool):   # (n, Hkv, P x PAGE, D): pages of a row side by side, one copy (a view after it)
+        return pool.index_select(0, step.table.reshape(-1)).view(n, W, Hkv, D).transpose(1, 2)
     out = F.scaled_dot_product_attention(query.reshape(n, Hkv, Hq // Hkv, D), rows(pool_k), rows(pool_v),
                                          attn_mask=step.row_mask, scale=scaling)      # (n, Hkv, g, D)
     return out.reshape(n, 1, Hq, D)
@@ -341,14 +341,14 @@ class _Writes:
         self.table = self.row_mask = None   # ATTEND "rows": (n, P) pages, (n, 1, 1, P x PAGE) columns
 
     def slots(self, page, offset):
-        """Flat indices (..., H) into a layer's (pages * H * PAGE, D) view: page, head, offset."""
-        return (page[..., None] * self.heads + self.head) * self.page + offset[..., None]
+        """Flat indices (..., H) into a layer's (pages * PAGE * H, D) view: page, offset, head."""
+        return (page * self.page + offset)[..., None] * self.heads + self.head
 
     def prefill(self, src, page, offset) -> None:
         """Newcomer k (a row of the prefill batch, src[k]) writes its P positions to `page`,
         `offset` (N, P) (pads to the trash page)."""
         self.is_prefill, self.src = True, src
-        self.at = self.slots(page, offset).transpose(1, 2)             # (N, H, P)
+        self.at = self.slots(page, offset)                              # (N, P, H)
 
     def decode(self, n: int, C: int) -> None:
         """Views of meta for a step of n rows attending C pages, and what every layer shares."""
@@ -361,7 +361,8 @@ class _Writes:
 
 
 class _PagedLayer(DynamicLayer):
-    """One layer's K and V pools, (pages, H, PAGE, D) each, written in place."""
+    """One layer's K and V pools, (pages, PAGE, H, D) each, written in place: a page's tokens
+    side by side, so a row's gathered pages are its columns in order (row_attention views them)."""
 
     def __init__(self, keys, values, writes: _Writes):
         super().__init__()
@@ -375,7 +376,7 @@ class _PagedLayer(DynamicLayer):
         w, D = self.writes, key_states.shape[-1]
         if w.is_prefill:   # (U, H, P, D): newcomer k's positions to its pages; attention over the prompt itself
             for pool, new in ((self.keys, key_states), (self.values, value_states)):
-                pool.view(-1, D).index_copy_(0, w.at.reshape(-1), new[w.src].reshape(-1, D))
+                pool.view(-1, D).index_copy_(0, w.at.reshape(-1), new[w.src].transpose(1, 2).reshape(-1, D))
             return key_states, value_states
         return key_states, value_states   # a decode step's: written by decode_attention (_Slots.attend)
 
@@ -395,7 +396,7 @@ def _page_cache(model, pages: int, page: int, writes: _Writes):
     cache = new_cache(model)
     if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", [])):
         raise NotImplementedError("generate supports full-attention models only (no sliding-window layers)")
-    shape = (pages, heads, page, head_dim)
+    shape = (pages, page, heads, head_dim)
     cache.layers = [_PagedLayer(torch.zeros(shape, dtype=model.dtype, device=dev),
                                 torch.zeros(shape, dtype=model.dtype, device=dev), writes)
                     for _ in range(cfg.num_hidden_layers)]
@@ -784,7 +785,7 @@ def _first_logits(model, cache, writes, st: _Rows, job: _Job, dest, admitted, co
     if src:
         s, d = _to(np.array(src), writes.head.device), _to(np.array(new), writes.head.device)
         for layer in cache.layers:
-            layer.keys[d] = layer.keys[s]                                   # (N', H, PAGE, D)
+            layer.keys[d] = layer.keys[s]                                   # (N', PAGE, H, D)
             layer.values[d] = layer.values[s]
     _keep(job, pg, want, holder)
     return torch.stack(out)                                                  # (N, V)
