@@ -98,11 +98,10 @@ KV_FRACTION = 0.85         # share of free CUDA memory (after loading) for the K
                            # (torch.cuda.empty_cache) when it returns, so the update gets it all;
                            # the rest holds what lives beside the cache (AdamW states, logits)
 PREFILL_TOKENS = 32768     # padded prompt tokens per prefill forward (bounds its activations)
-# bytes a decode step's sampling holds at once per row and vocabulary entry (rollout.sample_next):
-# the fp32 logits buffer and their log-softmax (4 + 4), then a float64 copy of the scaled logits
-# and its softmax, or that softmax and its cumulative sum (8 + 8): 6 x the logits' 4 bytes, not
-# 1 x (top-p's sort adds 16 more)
-SAMPLE_BYTES = 24
+# bytes a decode step's sampling holds at once per row and vocabulary entry on CUDA
+# (rollout.sample_next, fp32 there: rollout.SAMPLE_DTYPE): the fp32 logits buffer and their
+# log-softmax (4 + 4), the scaled logits and their softmax (4 + 4); top-p's sort adds 12 more
+SAMPLE_BYTES = 16
 REFILL_AT = 1 / 16         # admit newcomers once this share of the rows could be (see _refill)
 # decode steps between the host's reads of which rows stopped: on CUDA a read waits for the
 # device, so it reads a copy made 4 steps before; on a CPU it costs nothing, so every step
@@ -153,9 +152,11 @@ def kv_bytes_per_token(config, dtype) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def rows_that_fit(kv_budget: int, bytes_per_token: int, length: int) -> int:
-    """Rows of `length` tokens (prompt + max_new_tokens) that `kv_budget` bytes hold."""
-    return int(kv_budget) // (bytes_per_token * length)
+def rows_that_fit(kv_budget: int, bytes_per_token: int, length: int, page: int = 1) -> int:
+    """Rows of `length` tokens (prompt + max_new_tokens, in whole pages of `page` tokens) that
+    `kv_budget` bytes hold, the trash page aside: what a row is promised at admission."""
+    pages = int(kv_budget) // (bytes_per_token * page) - (page > 1)
+    return max(0, pages) // int(-(-length // page))
 
 
 def pages_for(tokens, page: int):
@@ -173,10 +174,15 @@ def default_kv_budget(device, fraction: float = KV_FRACTION) -> int:
     return CPU_KV_BUDGET
 
 
-def kv_budget_line(kv_budget: int, bytes_per_token: int, prompt_tokens: int, new_tokens: int) -> str:
-    """The line a script prints once: what the budget holds at its length limits."""
-    n = rows_that_fit(kv_budget, bytes_per_token, prompt_tokens + new_tokens)
-    return f"KV budget {kv_budget / 2**30:.2f} GiB holds {n} rows of {prompt_tokens}+{new_tokens} tokens"
+def kv_budget_line(kv_budget: int, bytes_per_token: int, prompt_tokens: int, new_tokens: int,
+                   page: int = PAGE["cuda"]) -> str:
+    """The line a script prints once: what the budget holds in pages, and the rows in flight it
+    guarantees at the length limits (a row is promised its own prompt + max_new_tokens; shorter
+    prompts fit more)."""
+    n = rows_that_fit(kv_budget, bytes_per_token, prompt_tokens + new_tokens, page)
+    pages = int(kv_budget) // (bytes_per_token * page)
+    return (f"KV budget {kv_budget / 2**30:.2f} GiB in {pages:,} pages of {page} tokens holds {n} rows of "
+            f"{prompt_tokens}+{new_tokens} tokens")
 
 
 def _row_count(prompts: int, need: int, bytes_per_token: int, kv_budget, max_rows) -> int:
@@ -195,8 +201,8 @@ def _row_count(prompts: int, need: int, bytes_per_token: int, kv_budget, max_row
 
 
 def memory_plan(policy, kv_budget: int, args) -> str:
-    """One line of memory: weights, trainable weights with AdamW states, the KV budget and the
-    rows it holds at the length limits, and the training micro-batch; a user sees at once
+    """One line of memory: weights, trainable weights with AdamW states, the KV budget in pages and
+    the rows it holds at the length limits, and the training micro-batch; a user sees at once
     whether the run fits. On CUDA it also gives the numbers behind the default budget: the free
     memory after loading, KV_FRACTION of it for the cache, and what the rest must hold
     while the cache lives (the AdamW states, made at the first update, and what sampling holds:
@@ -214,8 +220,9 @@ def memory_plan(policy, kv_budget: int, args) -> str:
     prompt = a.max_prompt_tokens or 3 * min(a.max_embed_tokens or a.max_new_tokens, a.max_new_tokens) + 512
     logits = a.token_budget * cfg.vocab_size * 2 * size        # the logits and their gradient
     acts = a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size
-    rows = rows_that_fit(kv_budget, per_tok, prompt + a.max_new_tokens)
     device = next(p.model.parameters()).device
+    page = PAGE[_kind(device)]
+    rows = rows_that_fit(kv_budget, per_tok, prompt + a.max_new_tokens, page)
     why = ""
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
@@ -224,7 +231,7 @@ def memory_plan(policy, kv_budget: int, args) -> str:
         why = (f" | free after loading {gib(free)}: KV {share}, beside it AdamW {gib(16 * trainable)} + "
                f"sampling {gib(sampling)} = {gib(kv_budget + 16 * trainable + sampling)}")
     return (f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
-            f"{gib(16 * trainable)} | {kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens)} "
+            f"{gib(16 * trainable)} | {kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens, page)} "
             f"({per_tok / 1024:.0f} KiB a token){why} | micro-batch {a.token_budget} tokens: logits + grad {gib(logits)}, "
             f"layer inputs {gib(acts)}{' (checkpointed)' if p.checkpointing else ' + every activation'}")
 

@@ -109,10 +109,16 @@ def test_prefix_sharing_gives_the_same_result_as_separate_prefill():
     assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
-def test_top_p_restricts_to_the_nucleus():
+def test_top_p_restricts_to_the_nucleus_and_gives_the_logprob_of_the_nucleus():
     logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]] * 2000)
-    ids, _ = rollout.sample_next(logits, 1.0, 0.5, uniforms(len(logits)))
+    ids, lp = rollout.sample_next(logits, 1.0, 0.5, uniforms(len(logits)))
     assert set(ids.tolist()) == {0}  # token 0 alone holds > 0.5 of the mass
+    assert torch.allclose(lp, torch.zeros(len(logits)), atol=1e-6)   # the nucleus renormalised: p = 1
+    # two tokens kept: each logprob is log p - log(p0 + p1), under what was sampled (issue 53's p_sampler)
+    ids, lp = rollout.sample_next(logits, 1.0, 0.9, uniforms(len(logits)))
+    p = torch.softmax(logits[0].double(), -1)
+    assert set(ids.tolist()) == {0, 1}
+    assert torch.allclose(lp.double(), torch.log(p[ids] / (p[0] + p[1])), atol=1e-6)
     ids, lp = rollout.sample_next(logits, 1.0, 1.0, uniforms(len(logits)))
     freq = torch.bincount(ids, minlength=4).float() / len(ids)
     assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
@@ -264,8 +270,11 @@ def test_kv_budget_helpers_at_the_real_shapes():
         assert engine.kv_bytes_per_token(cfg, torch.bfloat16) == want
         assert engine.kv_bytes_per_token(cfg, torch.float32) == 2 * want
     assert engine.rows_that_fit(10 * 2**30, 114_688, 5320) == 17
+    assert engine.rows_that_fit(10 * 2**30, 114_688, 5320, page=64) == 17       # 1,461 pages of 84 a row
+    assert engine.rows_that_fit(10 * 2**30, 114_688, 5000, page=64) == 18       # 79 pages a row
     assert engine.default_kv_budget("cpu") == engine.CPU_KV_BUDGET
-    assert engine.kv_budget_line(10 * 2**30, 114_688, 200, 5120) == "KV budget 10.00 GiB holds 17 rows of 200+5120 tokens"
+    assert engine.kv_budget_line(10 * 2**30, 114_688, 200, 5120) == \
+        "KV budget 10.00 GiB in 1,462 pages of 64 tokens holds 17 rows of 200+5120 tokens"
 
 
 def test_the_memory_plan_counts_an_embedded_solution_at_most_one_completion():
@@ -453,6 +462,48 @@ def test_the_draw_is_the_exact_distribution_over_a_qwen3_vocabulary(kind, monkey
     ids2, lp = rollout.sample_next(logits.expand(200, V), 0.7, 1.0, u[:200])
     assert torch.equal(ids2, ids[:200])
     assert torch.allclose(lp, torch.log(exact[ids2]).float(), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["flat", "peaked"])
+def test_the_fp32_draw_is_the_exact_distribution_to_fp32_rounding(kind, monkeypatch):
+    """CUDA's draw (rollout.SAMPLE_DTYPE): fp32 probabilities in blocks. Over a Qwen3 vocabulary
+    a uniform picks the token that float64's inverse CDF picks, except within fp32 rounding of a
+    boundary between two tokens; every token can be drawn (block and token mass positive); and
+    draws pass the chi-square test. A row's draws depend on its uniform alone (row by row or in a
+    batch, the same tokens)."""
+    logits = qwen_sized_logits(kind)[None]                                    # (1, V) fp32
+    exact = torch.softmax(logits.double() / 0.7, -1)                          # (1, V)
+    c = exact.cumsum(-1)
+    n = 100_000
+    u = seeds.uniforms(11, torch.arange(n), torch.zeros(n, dtype=torch.long))  # (n,) float64
+    probs = torch.softmax(logits / 0.7, -1)                                   # (1, V) fp32, as sample_next's
+    ids = torch.cat([rollout._draw_blocks(probs, u[None, a:a + 5000])[0] for a in range(0, n, 5000)])   # (n,)
+    ref = rollout.inverse_cdf(c, u[None])[0]                                   # float64's picks
+    near = torch.minimum((u * c[0, -1] - c[0, ref - 1].where(ref > 0, torch.zeros(()))).abs(),
+                         (c[0, ref] - u * c[0, -1]).abs())                    # u's distance to a boundary
+    differ = ids != ref
+    print(f"{kind}: {int(differ.sum())} of {n} draws differ from float64's, all within "
+          f"{float(near[differ].max()) if differ.any() else 0:.1e} of a boundary")
+    assert int(differ.sum()) <= n // 1000 and (near[differ] < 1e-6).all()
+    # every token drawable: the fp32 probabilities are all positive and no block's mass rounds away
+    assert bool((probs > 0).all())
+    starts, mass = equal_mass_bins(exact[0], n)
+    observed = torch.bincount(torch.bucketize(ids, starts, right=True) - 1, minlength=len(starts)).double()
+    assert chi_square_p(observed, mass * n) > 1e-3
+    # the whole path: sample_next on CUDA's type draws the same tokens, row by row or in a batch,
+    # with the logprob of the scaled softmax
+    monkeypatch.setitem(rollout.SAMPLE_DTYPE, "cpu", torch.float32)
+    batch, lp = rollout.sample_next(logits.expand(100, V), 0.7, 1.0, u[:100])
+    one = torch.cat([rollout.sample_next(logits, 0.7, 1.0, u[i:i + 1])[0] for i in range(20)])
+    assert torch.equal(batch, ids[:100]) and torch.equal(one, ids[:20])
+    assert torch.allclose(lp, torch.log(exact[0, batch]).float(), atol=1e-5)
+    # the block a draw falls in holds a token of the smallest fp32 probability too: the draw of the
+    # last token's own mass picks it
+    last = torch.full((1, V), -30.0)
+    last[0, 0], last[0, -1] = 10.0, -8.0                                       # p(last) ~ 1e-8, in the last block
+    pl = torch.softmax(last.double(), -1)[0]
+    u_last = ((1 - pl[-1] / 2) / pl.sum()).reshape(1)                          # inside the last token's mass
+    assert int(rollout.sample_next(last, 1.0, 1.0, u_last)[0]) == V - 1
 
 
 # ----------------------------------------------------------------------------- the decode step
