@@ -14,7 +14,8 @@ attends every row over the widest one. `generate` keeps what it samples and chan
 - continuous batching: up to S row slots (one per prompt, capped by `max_rows`); a waiting
   prompt is admitted once a slot is free and the pages not yet promised cover its own worst case
   (its prompt + its limit): a row never waits for a page once admitted, so nothing is ever
-  preempted, and the rows in flight are bounded by their own lengths. Newcomers are admitted once
+  preempted, and the rows in flight are bounded by their own prompts and limits (not yet by the
+  tokens they hold: admitting on those needs preemption, which this engine does not do). Newcomers are admitted once
   REFILL_AT (1/16) of the rows in flight could be, together in one prefill (in chunks of alike
   lengths, so a short prompt is not padded to the longest: `_prefill_chunks`): a prefill of a few
   rows costs about a decode step (on a GPU both read every weight once), so refilling one row at
@@ -25,16 +26,18 @@ attends every row over the widest one. `generate` keeps what it samples and chan
   prompt's full pages (counted references, never written again: decode writes only past the
   prompt) and copies its last, partial page, and reuses its first logits. Each row still draws
   its own first token. A prompt's pages and logits are kept while copies of it wait.
-- paged attention, plain PyTorch (`paged_attention`): a decode step attends page by page: the
-  pages of every row in flight are gathered from the pool (one index_select a layer), each
-  attended by its row's query (the query heads of a KV head folded, so no K/V is copied per
-  head), and the pages of a row joined by their log-sum-exp (as flash-decoding joins its
-  splits). Every row attends its own columns rounded up to a page; nothing is padded to another
-  row. This replaces the dense cache rows (each sized for the call's longest row), the row
-  groups cut by width with their HEADROOM columns to grow into, and the relayout that moved K/V
-  between rows. Its price against a fused paged kernel (FlexAttention's or flash's block table,
-  which torch 2.11 lacks): the gathered pages are written once and read again, about 3x a
-  step's K/V traffic, where the old row groups read 1.56x of it once.
+- paged attention, plain PyTorch (`paged_attention`, ATTEND["cuda"]): a decode step attends
+  page by page: the pages of every row in flight are gathered from the pools (an index_select
+  for K and one for V a layer), each attended by its row's query (the query heads of a KV head
+  folded, so no K/V is copied per head), and the pages of a row joined by their log-sum-exp (as
+  flash-decoding joins its splits). Every row attends its own columns rounded up to a page;
+  nothing is padded to another row. On a CPU (`row_attention`) each row's pages are gathered
+  side by side, as wide as the step's widest row, for one SDPA call: fewer, larger ops. This
+  replaces the dense cache rows (each sized for the call's longest row), the row groups cut by
+  width with their HEADROOM columns to grow into, and the relayout that moved K/V between rows.
+  Its price against a fused paged kernel (FlexAttention's, or varlen_attn's block_table, which
+  torch 2.11 lacks): the gathered pages are written once and read again, about 3x the K/V bytes
+  a step attends.
 - no host sync in a decode step: the device keeps its own counters and advances them after
   each sample; the host keeps a copy that decides the schedule (which pages each step attends,
   where each row writes: built on the host, copied in one non-blocking transfer), and learns
@@ -48,7 +51,8 @@ attends every row over the widest one. `generate` keeps what it samples and chan
   weights it reads (an adapter), with the buffers it reads (_Slots, kept across calls, up to
   KEEP_WEIGHTS sets of weights), and replayed (cudagraphs.py: the model's device current, a
   failed capture retried once, then graphs off for the process, said in the step line).
-  Elsewhere the step runs eagerly.
+  Elsewhere the step runs eagerly. What is kept lives through the update: each set's graph
+  memory pool and its (S, V) fp32 logits.
 - attention kernels: on CUDA the SDPA kernels are pinned for the prefill (policies.attention_kernels
   here, and policies.cuda_settings for the whole run): flash where no mask is passed, never
   cuDNN's, which PyTorch 2.9+ tries first on H100/H200 and which builds a plan for every new
@@ -67,9 +71,10 @@ Invariants, each a test in tests/test_sampler.py (the engine's spec):
 3. no host read inside a decode step, the stop check read once every STOP_EVERY["cuda"] steps
    (`test_no_host_sync_inside_a_decode_step_...`), and no K/V copy per query head on any
    transformers version (`test_no_repeat_kv_in_a_decode_step_...`);
-4. on CUDA, graphs replay what eager steps sample, every CUDA call names the model's device and
-   runs with it current, and a paper-like voter call attends within 1.1x its rows' own widths
-   (tests/test_cudagraphs.py, with a stand-in for torch.cuda on a CPU).
+4. on CUDA, graphs replay what eager steps sample, each adapter's own, every CUDA call names the
+   model's device and runs with it current, a failed capture is retried once, and a paper-like
+   voter call attends within 1.1x its rows' own widths and, called twice, captures each row
+   bucket once (tests/test_cudagraphs.py, with a stand-in for torch.cuda on a CPU).
 
 The KV budget's helpers (bytes per token, rows that fit, the default budget) sit here too,
 with `memory_plan`, the line a run prints to say what its memory holds beside the cache.

@@ -141,8 +141,8 @@ def count_ops_and_syncs(fn):
 
 
 def as_on_cuda(eng):
-    """Pages and the stop check as on CUDA (counts then match a GPU's)."""
-    for name in ("PAGE", "STOP_EVERY"):
+    """Pages, their attention and the stop check as on CUDA (counts then match a GPU's)."""
+    for name in ("PAGE", "ATTEND", "STOP_EVERY"):
         if isinstance(getattr(eng, name, None), dict):
             getattr(eng, name)["cpu"] = getattr(eng, name)["cuda"]
 
