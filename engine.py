@@ -12,10 +12,12 @@ attends every row over the widest one. `generate` keeps what it samples and chan
   all returned the step the host learns it ended. So a row holds about its own length, not the
   call's longest prompt + max_new_tokens, and a finished row's memory is free at once.
 - continuous batching: up to S row slots (one per prompt, capped by `max_rows`); a waiting
-  prompt is admitted once a slot is free and the pages not yet promised cover its own worst case
-  (its prompt + its limit): a row never waits for a page once admitted, so nothing is ever
-  preempted, and the rows in flight are bounded by their own prompts and limits (not yet by the
-  tokens they hold: admitting on those needs preemption, which this engine does not do). Newcomers are admitted once
+  prompt is admitted once a slot is free and the free pages hold its prompt and leave a page
+  for each row in flight, so the rows in flight are bounded by the tokens they hold, not by
+  their limits. When a step's rows need more pages than are free, kept prompts are let go, then
+  the latest admitted row is preempted (`_preempt`): its pages are freed and it waits first in
+  the queue with the tokens it has sampled; readmitted, it prefills its prompt and those tokens
+  and goes on at its own positions with its own keys, so its samples do not change. Newcomers are admitted once
   REFILL_AT (1/16) of the rows in flight could be, together in one prefill (in chunks of alike
   lengths, so a short prompt is not padded to the longest: `_prefill_chunks`): a prefill of a few
   rows costs about a decode step (on a GPU both read every weight once), so refilling one row at
@@ -159,7 +161,8 @@ def kv_bytes_per_token(config, dtype) -> int:
 
 def rows_that_fit(kv_budget: int, bytes_per_token: int, length: int, page: int = 1) -> int:
     """Rows of `length` tokens (prompt + max_new_tokens, in whole pages of `page` tokens) that
-    `kv_budget` bytes hold, the trash page aside: what a row is promised at admission."""
+    `kv_budget` bytes hold, the trash page aside: the rows in flight at once when every row runs
+    to its limit (shorter rows, more of them)."""
     pages = int(kv_budget) // (bytes_per_token * page) - (page > 1)
     return max(0, pages) // int(-(-length // page))
 
@@ -181,9 +184,8 @@ def default_kv_budget(device, fraction: float = KV_FRACTION) -> int:
 
 def kv_budget_line(kv_budget: int, bytes_per_token: int, prompt_tokens: int, new_tokens: int,
                    page: int = PAGE["cuda"]) -> str:
-    """The line a script prints once: what the budget holds in pages, and the rows in flight it
-    guarantees at the length limits (a row is promised its own prompt + max_new_tokens; shorter
-    prompts fit more)."""
+    """The line a script prints once: what the budget holds in pages, and the rows in flight when
+    every row runs to the length limits (rows hold only their own tokens: shorter ones, more)."""
     n = rows_that_fit(kv_budget, bytes_per_token, prompt_tokens + new_tokens, page)
     pages = int(kv_budget) // (bytes_per_token * page)
     return (f"KV budget {kv_budget / 2**30:.2f} GiB in {pages:,} pages of {page} tokens holds {n} rows of "
@@ -432,9 +434,8 @@ def _to(array, device):
 
 class _Pages:
     """The host's books of the pool: free pages, each page's references (a row, or a prompt kept
-    for later copies), each slot's block table, and the pages each slot may still take (its
-    worst case, promised at admission, less what it holds). Page 0 is the trash page: never
-    given out, written by what is discarded (free slots, prompt pads)."""
+    for later copies) and each slot's block table. Page 0 is the trash page: never given out,
+    written by what is discarded (free slots, prompt pads)."""
 
     def __init__(self, total: int, page: int, slots: int, most: int):
         self.page = page
@@ -442,21 +443,14 @@ class _Pages:
         self.ref = np.zeros(total, dtype=np.int64)
         self.table = np.zeros((slots, most), dtype=np.int64)      # (S, pages of the longest row) block tables
         self.held = np.zeros(slots, dtype=np.int64)               # (S,) pages in each slot's table
-        self.promised = np.zeros(slots, dtype=np.int64)           # (S,) pages each slot may still take
-
-    def spare(self) -> int:
-        """Pages neither held nor promised."""
-        return len(self.free) - int(self.promised.sum())
 
     def take(self, slot: int, k: int) -> None:
-        """k new pages at the end of the slot's table, out of its promise."""
+        """k free pages at the end of the slot's table."""
         for _ in range(k):
             p = self.free.pop()
             self.ref[p] = 1
             self.table[slot, self.held[slot]] = p
             self.held[slot] += 1
-        self.promised[slot] -= k
-        assert self.promised[slot] >= 0, "a row took more pages than it was promised"
 
     def share(self, slot: int, pages) -> None:
         """Pages another holder has (a prompt's full pages) at the start of the slot's table."""
@@ -473,16 +467,14 @@ class _Pages:
 
     def release(self, slot: int) -> None:
         self.drop(self.table[slot, :self.held[slot]])
-        self.held[slot] = self.promised[slot] = 0
+        self.held[slot] = 0
 
-    def grow(self, slots, column) -> None:
-        """Give each slot a page for `column` (its write) where its table ends before it."""
-        short = np.flatnonzero(self.held[slots] * self.page <= column)
-        for i in short:
-            self.take(int(slots[i]), 1)
+    def short(self, slots, column) -> np.ndarray:
+        """The slots whose table ends before `column` (their write this step): each needs a page."""
+        return slots[self.held[slots] * self.page <= column]
 
     def permute(self, perm) -> None:
-        self.table, self.held, self.promised = self.table[perm], self.held[perm], self.promised[perm]
+        self.table, self.held = self.table[perm], self.held[perm]
 
 
 # ----------------------------------------------------------------------------- the rows in flight
@@ -496,8 +488,9 @@ class _HostRows:
     pos: np.ndarray      # column (= position) of the last token written
     limit: np.ndarray    # the row's max_new_tokens
     busy: np.ndarray     # 1 while the host counts the row as running
+    seq: np.ndarray      # when the row was admitted (a count of admissions): preemption takes the latest
 
-    FIELDS = ("out", "made", "pos", "limit", "busy")
+    FIELDS = ("out", "made", "pos", "limit", "busy", "seq")
 
 
 @dataclass
@@ -535,7 +528,7 @@ class _Rows:
         captured step reads and writes)."""
         device = slots.tok.device
         zeros = lambda: np.zeros(S, dtype=np.int64)   # noqa: E731
-        host = _HostRows(np.full(S, discard), zeros(), zeros(), zeros(), zeros())
+        host = _HostRows(np.full(S, discard), zeros(), zeros(), zeros(), zeros(), zeros())
         t = lambda: torch.zeros(S, dtype=torch.long, device=device)   # noqa: E731
         dev = _DeviceRows(torch.full((S,), discard, device=device), t(), slots.pos[:S].zero_(), t(),
                           torch.zeros(S, dtype=torch.bool, device=device), slots.tok[:S].zero_(), slots.logits[:S])
@@ -551,6 +544,7 @@ class _Job:
     queue: deque          # prompt indices not yet admitted, identical prompts adjacent
     waiting: Counter      # distinct prompt -> copies still in the queue
     kept: dict            # distinct prompt -> (its prompt's pages, (V,) its first logits), while copies wait
+    resumed: dict         # prompt index -> the tokens it had sampled when it was preempted
     keys: torch.Tensor    # (B+1,) int64 key of each prompt's draws; the discard row's is 0
     tokens: torch.Tensor  # (B+1, T+1) ids; row B and column T take the writes of rows that ended
     logps: torch.Tensor   # (B+1, T+1) fp32
@@ -567,6 +561,7 @@ def _new_job(prompts, limits, pad_id, share_prefix, keys, device) -> _Job:
     # identical prompts queue side by side (whether shared or not, so both run the same schedule)
     queue = deque(sorted(range(B), key=lambda i: (same[i], i)))
     return _Job(prompts=prompts, limits=limits, distinct=distinct, queue=queue, waiting=Counter(distinct), kept={},
+                resumed={},
                 keys=torch.cat([keys, keys.new_zeros(1)]),
                 tokens=torch.full((B + 1, T + 1), pad_id, dtype=torch.long, device=device),
                 logps=torch.zeros((B + 1, T + 1), dtype=torch.float32, device=device),
@@ -601,21 +596,31 @@ def _compact(st: _Rows, newcomers: int) -> np.ndarray:
     return np.arange(len(busy), len(busy) + newcomers)
 
 
+def _prompt(job: _Job, i: int) -> list:
+    """Prompt i's ids as a prefill takes them: a preempted row's prompt and what it had sampled."""
+    return job.prompts[i] + job.resumed[i] if i in job.resumed else job.prompts[i]
+
+
+def _distinct(job: _Job, i: int):
+    """Prompt i's distinct prompt; a preempted row's prompt and tokens are its own."""
+    return ("resumed", i) if i in job.resumed else job.distinct[i]
+
+
 def _admissible(st: _Rows, job: _Job) -> list:
-    """The waiting prompts that can start now, in queue order: while a slot is free and the pages
-    neither held nor promised cover the next one's worst case (its prompt and limit; a copy of a
-    kept or co-admitted prompt shares its full pages). Stops at the first that does not fit, so
+    """The waiting prompts that can start now, in queue order: while a slot is free and the free
+    pages hold the next one's prompt (a copy of a kept or co-admitted prompt shares its full
+    pages) and leave one page for every row in flight and admitted (a step takes at most one a
+    row, so admitting does not at once preempt). Stops at the first that does not fit, so
     prompts start in queue order."""
     page, slots = st.pages.page, int((st.host.busy == 0).sum())
-    spare, out, fresh = st.pages.spare(), [], set()
+    spare, out, fresh, rows = len(st.pages.free), [], set(), int(st.host.busy.sum())
     for i in job.queue:
         if len(out) == slots:
             break
-        q, P = job.distinct[i], len(job.prompts[i])
-        need = pages_for(P + int(job.limits[i]), page)
-        if q in job.kept or q in fresh:
-            need -= P // page
-        if need > spare:
+        q, P = _distinct(job, i), len(_prompt(job, i))
+        need = pages_for(P, page) - (P // page if q in job.kept or q in fresh else 0)
+        growth = rows + len(out) + 1 if rows + len(out) else 0      # a row alone fits the pool by its size
+        if need + growth > spare:
             break
         spare -= need
         fresh.add(q)
@@ -625,33 +630,73 @@ def _admissible(st: _Rows, job: _Job) -> list:
 
 def _refill(model, cache, writes, st: _Rows, job: _Job, counts) -> bool:
     """Give free slots to the next waiting prompts once REFILL_AT of the rows in flight could
-    start (or every waiting prompt can): promise them their pages, put their prompts' K/V in
-    place and their first logits in st.dev.logits, and set their counters on both sides."""
+    start (or every waiting prompt can): put their prompts' K/V in pages and their first logits
+    in st.dev.logits, and set their counters on both sides (a resumed row goes on from the tokens
+    it had sampled)."""
     h, d, pg = st.host, st.dev, st.pages
     ready = _admissible(st, job)
     busy = int(h.busy.sum())
     if not busy and not ready and job.queue:     # nothing runs and the next does not fit: let kept prompts go
-        _let_go(job, pg)
+        _let_go(job, pg, counts)
         ready = _admissible(st, job)
         if not ready:
             raise RuntimeError("engine: the next prompt fits no page pool (a bug: the pool holds the longest row)")
     if not ready or len(ready) < min(math.ceil(REFILL_AT * (busy + len(ready))), len(job.queue)):
         return False
     admitted = np.array([job.queue.popleft() for _ in ready])                 # prompt indices
-    lens = np.array([len(job.prompts[i]) for i in admitted])
+    lens = np.array([len(_prompt(job, i)) for i in admitted])
+    made = np.array([len(job.resumed.get(i, ())) for i in admitted])          # tokens already sampled
     dest = _compact(st, len(admitted))                                         # their slots
-    for k, i in enumerate(admitted):
-        pg.promised[dest[k]] = pages_for(lens[k] + int(job.limits[i]), pg.page)
     logits = _first_logits(model, cache, writes, st, job, dest, admitted, counts)   # (N, V)
     rows, limits = _to(dest, d.out.device), job.limits[admitted]
     d.logits[rows] = logits
-    for t, v in ((d.out, admitted), (d.made, np.zeros_like(admitted)), (d.pos, lens - 1), (d.limit, limits)):
+    for t, v in ((d.out, admitted), (d.made, made), (d.pos, lens - 1), (d.limit, limits)):
         t[rows] = _to(v, t.device)
     d.live[rows] = True
     # pos: the prompt's last column
-    h.out[dest], h.made[dest], h.pos[dest], h.limit[dest], h.busy[dest] = admitted, 0, lens - 1, limits, 1
+    h.out[dest], h.made[dest], h.pos[dest], h.limit[dest], h.busy[dest] = admitted, made, lens - 1, limits, 1
+    h.seq[dest] = counts["admitted"] + np.arange(len(admitted))
+    counts["admitted"] += len(admitted)
     st.most = max(st.most, int(h.busy.sum()))
     return True
+
+
+def _make_room(st: _Rows, job: _Job, counts) -> None:
+    """Before a step: while the rows whose write needs a new page outnumber the free pages, let
+    the kept prompts go (a prefill makes them again), then preempt the latest admitted row
+    (_preempt); then give each its page. A row alone always fits (the pool holds the longest)."""
+    h, pg = st.host, st.pages
+    while True:
+        busy = np.flatnonzero(h.busy[:st.n])
+        short = pg.short(busy, h.pos[busy])
+        if len(short) <= len(pg.free):
+            break
+        if job.kept:
+            _let_go(job, pg, counts)
+            continue
+        assert len(busy) > 1, "engine: a row alone outgrew the pool (a bug: the pool holds the longest row)"
+        _preempt(st, job, int(busy[np.argmax(h.seq[busy])]), counts)
+    for slot in short:
+        pg.take(int(slot), 1)
+
+
+def _preempt(st: _Rows, job: _Job, slot: int, counts) -> None:
+    """Free a running row's slot and pages, and put it first in the queue with the tokens it has
+    sampled: readmitted, it prefills its prompt and them and goes on drawing with its own keys at
+    its own positions, so its samples stay what they would have been (to float rounding of the
+    logits). One read of the device (the row may have ended there unseen: then it just ends)."""
+    h, d = st.host, st.dev
+    i = int(h.out[slot])
+    state = torch.cat([torch.stack([d.live[slot].long(), d.made[slot]]), job.tokens[i]]).cpu()   # (2 + T + 1,)
+    live, made = bool(state[0]), int(state[1])
+    if live:
+        job.resumed[i] = state[2:2 + made].tolist()
+        job.waiting[("resumed", i)] = 1
+        job.queue.appendleft(i)
+        counts["preempted"] += 1
+    st.pages.release(slot)
+    h.out[slot], h.busy[slot] = st.discard, 0
+    d.live[slot], d.out[slot] = False, st.discard
 
 
 def _schedule(model, cache, writes, st: _Rows, job: _Job, counts) -> None:
@@ -764,8 +809,8 @@ def _first_logits(model, cache, writes, st: _Rows, job: _Job, dest, admitted, co
     slot dest[k]: the first newcomer of a prompt that is not kept is prefilled (each distinct
     prompt once) into pages of its own; every other one shares the full pages of the prompt's
     holder (kept, or prefilled in this batch) and copies its partial last page."""
-    pg, want = st.pages, [job.distinct[i] for i in admitted]
-    lens = [len(job.prompts[i]) for i in admitted]
+    pg, want = st.pages, [_distinct(job, i) for i in admitted]
+    lens = [len(_prompt(job, i)) for i in admitted]
     out, holder = [None] * len(admitted), {}          # distinct prompt -> (its pages, its logits)
     for q, (held, first) in job.kept.items():
         holder[q] = (held, first)
@@ -777,7 +822,7 @@ def _first_logits(model, cache, writes, st: _Rows, job: _Job, dest, admitted, co
         ks = list(fresh.values())
         for k in ks:
             pg.take(dest[k], pages_for(lens[k], pg.page))
-        first = _prefill(model, cache, writes, [job.prompts[admitted[k]] for k in ks], [dest[k] for k in ks],
+        first = _prefill(model, cache, writes, [_prompt(job, admitted[k]) for k in ks], [dest[k] for k in ks],
                          list(range(len(ks))), job.pad_id, pg)                     # (U, V)
         counts["prefill_rows"] += len(ks)
         for i, (q, k) in enumerate(fresh.items()):
@@ -789,7 +834,6 @@ def _first_logits(model, cache, writes, st: _Rows, job: _Job, dest, admitted, co
         held, out[k] = holder[want[k]]
         full = lens[k] // pg.page
         pg.share(dest[k], held[:full])
-        pg.promised[dest[k]] -= full
         if lens[k] % pg.page:            # the partial last page: the copy writes its own tokens there
             pg.take(dest[k], 1)
             src.append(held[full])
@@ -817,10 +861,11 @@ def _keep(job: _Job, pg: _Pages, want: list, holder: dict) -> None:
             job.kept[q] = (held, first.clone())
 
 
-def _let_go(job: _Job, pg: _Pages) -> None:
-    """Drop every kept prompt (its copies will be prefilled again): the pool's last resort."""
+def _let_go(job: _Job, pg: _Pages, counts) -> None:
+    """Drop every kept prompt (its next copy will be prefilled again, counted in let_go)."""
     for held, _ in job.kept.values():
         pg.drop(held)
+    counts["let_go"] += len(job.kept)
     job.kept.clear()
 
 
@@ -956,20 +1001,21 @@ class _Decoder:
     and replayed. Counts the columns it attends (pages x PAGE) and the rows' own (their widths),
     the measure of what paging saves."""
 
-    def __init__(self, model, cache, writes: _Writes, st: _Rows, slots: _Slots):
+    def __init__(self, model, cache, writes: _Writes, st: _Rows, slots: _Slots, job: _Job, counts):
         self.model, self.cache, self.writes, self.st, self.slots = model, cache, writes, st, slots
+        self.job, self.counts = job, counts
         slots.cache, slots.writes = cache, writes
         self.cache_kw = cache_kwarg(model)
         self.rows = ATTEND[_kind(st.dev.out.device)] == "rows"
         self.eager_steps = self.attended = self.own = 0
 
     def plan(self) -> int:
-        """Give every busy row a page for its write, fill writes.meta with the step's numbers (one
-        copy to the device), and return the pages attended (C)."""
+        """Give every busy row a page for its write (preempting rows if the pool has too few,
+        _make_room), fill writes.meta with the step's numbers (one copy to the device), and return
+        the pages attended (C)."""
         st, pg = self.st, self.st.pages
+        _make_room(st, self.job, self.counts)
         n, h, page = st.n, st.host, pg.page
-        busy = np.flatnonzero(h.busy[:n])
-        pg.grow(busy, h.pos[busy])
         width = (h.pos[:n] + 1) * h.busy[:n]                         # (n,) columns each row attends, 0 if free
         count = pages_for(width, page)                               # (n,)
         rows = np.repeat(np.arange(n), count)                        # (C,) each page's row
@@ -1038,8 +1084,8 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     it gets or on which rows share the call. At most `kv_budget` bytes of KV cache (None: every
     row at once) and `max_rows` rows in flight. `cuda_graphs`: replay decode steps from CUDA
     graphs on a CUDA device. `stats`, a dict, gets prefill_rows (prompts run through a prefill),
-    decode_steps and attended_columns / own_columns (pages x PAGE each step attends, and its rows'
-    own widths) added, and kv_bytes (cache tensors held) and rows (the most rows in flight at once)
+    decode_steps, attended_columns / own_columns (pages x PAGE each step attends, and its rows'
+    own widths), preempted (rows preempted) and let_go (kept prompts dropped for pages) added, and kv_bytes (cache tensors held) and rows (the most rows in flight at once)
     raised to this call's. `host`: the Generation's tensors on the host, each copied there once
     (what rollout.make_llm reads row by row, several device reads a row otherwise)."""
     limits = check_limits(prompts, max_new_tokens)
@@ -1055,10 +1101,11 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     job = _new_job(prompts, limits, pad_id, share_prefix, row_keys(keys, len(prompts), dev), dev)
     slots = _slots(model, S, dev, cuda_graphs and cudagraphs.usable(dev))
     st = _Rows.empty(S, discard=len(prompts), pages=_Pages(total, page, S, most), slots=slots)
-    decode = _Decoder(model, cache, writes, st, slots)
+    counts = Counter(prefill_rows=0, decode_steps=0, attended_columns=0, own_columns=0, preempted=0, let_go=0,
+                     admitted=0)
+    decode = _Decoder(model, cache, writes, st, slots, job, counts)
     check = _StopCheck(S, dev)
     stops = torch.tensor(sorted(set(stop_ids)), device=dev)
-    counts = Counter(prefill_rows=0, decode_steps=0, attended_columns=0, own_columns=0)
     # the model's device current (a graph or stream on another one records nothing), and the
     # attention kernel pinned (policies.attention_kernels)
     with cudagraphs.on_device(dev), _row_attention(model), policies.attention_kernels(dev):
@@ -1069,9 +1116,12 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
             _sample(st, job, seed, temperature, top_p, stops)
             _retire(st, check(st))
             if st.host.busy.any():
-                decode(st.n, decode.plan())
-                counts["decode_steps"] += 1
+                C = decode.plan()
+                if st.host.busy.any():       # a preempted row may have been the last
+                    decode(st.n, C)
+                    counts["decode_steps"] += 1
     decode.count(counts)
+    del counts["admitted"]
     if stats is not None:
         for k, v in counts.items():
             stats[k] = stats.get(k, 0) + v

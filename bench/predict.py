@@ -10,7 +10,9 @@ mean_len=2000). The counts per decode step come from bench/decode.py --section o
 0.6B shape, LoRA r64, 28 layers; scaled by layers for 4B); the rest is arithmetic:
 - a stage (all generator calls, then all aggregator calls) decodes with S rows in flight, S
   what the KV budget holds at prompt + 5,120 columns (budget = KV share x free memory after
-  loading; after, in pages, printed per scale and GPU); its steps are the stage's tokens / S,
+  loading; after, in pages, every row counted at its limit: the rows holding their own tokens
+  that the engine admits are printed per scale and GPU, not used); its steps are the stage's
+  tokens / S,
   plus a tail of the longest row's length at about S/4 rows;
 - a decode step costs max(host, device): host = kernel-launching ops issued eagerly x the
   host cost of one op (all of the step before; after, with CUDA graphs, only the sampling and
@@ -86,14 +88,15 @@ SOURCES = dict(
 )
 
 
-def rows_that_fit(s, gpu, c, prompt, after):
-    """Rows a stage holds at once: the KV share of the free memory after loading, in whole pages
-    (after) or tokens (before), over a row's promise, its prompt + cap."""
+def rows_that_fit(s, gpu, c, prompt, after, held=None):
+    """Rows a stage holds at once: the KV share of the free memory after loading over what a row
+    holds: before, its prompt + cap in tokens (dense rows); after, `held` tokens in whole pages
+    (rows hold their own tokens: on average the prompt and E[len^2]/2E[len] of completion)."""
     kvb = 2 * s["layers"] * s["kv"] * s["head_dim"] * 2                        # bf16 K/V bytes a token
     free = gpu["hbm_gb"] * 1e9 - s["params"] * 2e9 - c["reserved_gb"] * 1e9
     budget = free * c["kv_share_after" if after else "kv_share_before"]
     page = c["page"] if after else 1
-    return int(budget // (kvb * page)) // math.ceil((prompt + c["cap"]) / page)
+    return int(budget // (kvb * page)) // math.ceil(((held or prompt + c["cap"]) if after else prompt + c["cap"]) / page)
 
 
 def lengths(c):
@@ -111,6 +114,7 @@ def stage(s, gpu, c, rows, prompt, mean, m2, longest, after, distinct):
     captures."""
     kvb = 2 * s["layers"] * s["kv"] * s["head_dim"] * 2                        # bf16 K/V bytes a token
     weights = s["params"] * 2e9
+    # rows at their limit: the conservative count (the tail below would count more rows' tail twice)
     S = max(1, min(rows, rows_that_fit(s, gpu, c, prompt, after)))
     g = s["heads"] // s["kv"]
     if after:
@@ -193,10 +197,13 @@ def main():
     print("gpus:", ", ".join(f"{k} {v['hbm_gb']} GB {v['tb_s']} TB/s {v['tflops']} TFLOP/s bf16" for k, v in GPUS.items()))
     print(f"generator completions: mean {mean:.0f} tokens, a row in flight is {m2 / (2 * mean):.0f} past its prompt on average")
     agg = 3 * min(mean, c["embed"]) + 512
-    print(f"rows in flight the KV budget holds (pages of {c['page']}, a row promised its prompt + {c['cap']:.0f}): "
-          + "; ".join(f"{sc} {g}: generators ({c['prompt']:.0f} prompt) {rows_that_fit(SCALES[sc], GPUS[g], c, c['prompt'], True)}, "
-                      f"aggregator ({agg:.0f}) {rows_that_fit(SCALES[sc], GPUS[g], c, agg, True)}"
-                      for sc in SCALES for g in GPUS))
+    held = {"generators": (c["prompt"], c["prompt"] + m2 / (2 * mean)), "aggregator": (agg, agg + c["agg_len"])}
+    print(f"rows in flight the KV budget holds (pages of {c['page']}; every row at its limit / rows holding their "
+          f"own mean tokens, {held['generators'][1]:.0f} and {held['aggregator'][1]:.0f}):")
+    for sc in SCALES:
+        print("  " + "; ".join(f"{sc} {g}: " + ", ".join(
+            f"{k} {rows_that_fit(SCALES[sc], GPUS[g], c, p, True)} / {rows_that_fit(SCALES[sc], GPUS[g], c, p, True, h)}"
+            for k, (p, h) in held.items()) for g in GPUS))
     print(f"\n{args.workflow}, {c['problems']} problems x {c['rollouts']} rollouts; minutes per training step (a prediction)")
     print(f"{'scale':5s} {'gpu':4s} {'code':6s} {'rows':>5s} {'ms/step':>8s} {'generators':>10s} {'aggregator':>10s} "
           f"{'update':>7s} {'step':>6s} {'500 steps':>9s}")

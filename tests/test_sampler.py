@@ -193,7 +193,8 @@ def test_identical_prompts_prefilled_once_across_refills():
         runs[share] = engine.generate(m, prompts, limits, STOP, PAD, temperature=1.0, seed=1,
                                        share_prefix=share, kv_budget=budget, stats=stats)
         assert stats["rows"] >= 4
-        assert stats["prefill_rows"] == (3 if share else 15)
+        # each distinct prompt once, again for a row preempted or a kept prompt let go for pages
+        assert stats["prefill_rows"] == (3 if share else 15) + stats["preempted"] + stats["let_go"]
     assert torch.equal(runs[True].tokens, runs[False].tokens)
     assert torch.allclose(runs[True].logprobs, runs[False].logprobs, atol=1e-5)
     assert len(set(runs[True].tokens[:, 0].tolist())) > 1  # each copy samples its own first token
@@ -315,7 +316,7 @@ def test_a_short_prompt_with_a_long_limit_beside_a_long_prompt():
         stats = {}
         g = engine.generate(m, prompts, limits, [63], PAD, temperature=0,
                              kv_budget=budget_for(m, 2, prompts, limits), stats=stats)
-        assert stats["rows"] >= 2 and stats["prefill_rows"] == 2
+        assert stats["rows"] >= 2 and stats["prefill_rows"] == 2 + stats["preempted"] + stats["let_go"]
         for i, (p, limit) in enumerate(zip(prompts, limits)):
             assert torch.equal(g.tokens[i][g.mask[i]], hf_alone(m, p, limit, [63])), i
 
@@ -576,6 +577,31 @@ def test_pages_of_any_size_sample_what_generate_simple_does(build, monkeypatch):
             assert stats["own_columns"] <= stats["attended_columns"]
 
 
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+def test_rows_preempted_when_pages_run_out_sample_what_generate_simple_does(build, monkeypatch):
+    # rows are admitted on the pages their prompts hold, so short prompts with long limits in a
+    # budget of one row outgrow the pool: the latest is preempted and resumes later from its prompt
+    # and tokens; with the CPU's stop check and CUDA's (a row may have stopped unseen when it is
+    # preempted), rows that run to their limit (stop id 64: no token) or stop on STOP
+    m = build(seed=0)
+    prompts = [[5 + i, 6 + i, 7][:2 + i % 2] for i in range(8)] + [PROMPTS[0]]
+    limits = [30 - 2 * i for i in range(len(prompts))]
+    keys = [seeds.key("preempt", i) for i in range(len(prompts))]
+    seen = []
+    for stop, (temperature, top_p) in itertools.product(([64], STOP), ((0, 1.0), (0.7, 0.9))):
+        simple = rollout.generate_simple(m, prompts, limits, stop, PAD, temperature=temperature, top_p=top_p,
+                                         seed=5, keys=keys)
+        for every in (1, 4):
+            monkeypatch.setitem(engine.STOP_EVERY, "cpu", every)
+            stats = {}
+            fast = engine.generate(m, prompts, limits, stop, PAD, temperature=temperature, top_p=top_p, seed=5,
+                                   keys=keys, kv_budget=budget_for(m, 1, prompts, limits), stats=stats)
+            assert_same_generation(fast, simple)
+            assert stats["rows"] > 1
+            seen.append(stats["preempted"])
+    assert min(seen[:4]) > 0             # rows that run to their limit: preempted in every call
+
+
 def test_a_long_prompt_among_short_ones_holds_about_its_rows_own_tokens():
     """One prompt of 2,000 tokens and 63 of 20, every row to its limit of 16: the call holds K/V
     for at most 1.2x the tokens its rows have at the end (a cache of rows sized for the longest
@@ -670,7 +696,8 @@ def test_no_host_sync_inside_a_decode_step_and_the_stop_check_read_once_every_4_
     steps = stats["decode_steps"]
     assert steps >= 40 and 2 <= stats["rows"] < 2 * len(MIXED)
     assert count["step"] == 0                          # sampling, the forward and the counters
-    assert count["loop"] <= steps // 4 + 1 + 1         # the stop check's reads, the output's length
+    # the stop check's reads, the output's length, and a preempted row's state (.cpu, .tolist)
+    assert count["loop"] <= steps // 4 + 1 + 1 + 2 * stats["preempted"]
 
 
 @pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
