@@ -65,8 +65,8 @@ attends every row over the widest one. `generate` keeps what it samples and chan
 Invariants, each a test in tests/test_sampler.py (the engine's spec):
 1. the same samples as generate_simple: tokens, mask (stop token included) and finished flags
    equal, logprobs equal to float rounding, for greedy and keyed sampling, whatever the budget,
-   the refills, the page size and the model (`test_sampling_equals_generate_simple_...`,
-   `test_pages_of_any_size_sample_what_generate_simple_does`,
+   the refills, the preemptions, the page size and the model (`test_sampling_equals_generate_simple_...`,
+   `test_pages_of_any_size_sample_what_generate_simple_does`, `test_rows_preempted_...`,
    `test_generate_equals_generate_simple_greedy_...`);
 2. at most `kv_budget` bytes of cache are held (`test_kv_memory_held_never_exceeds_the_budget`),
    and a call holds pages for about its rows' own tokens (`test_a_long_prompt_among_short_ones_...`);
