@@ -250,7 +250,7 @@ ATTENTION = "marl_pages"  # the name decode_attention has in transformers' Atten
 
 def paged_attention(query, pool_k, pool_v, step, scaling: float):
     """One-token queries (n, Hq, 1, D) over their rows' pages: step.pages (C,) pages of the pools
-    (pages, PAGE, Hkv, D), page c attended by row step.rows[c] over its first step.valid[c]
+    (Hkv, pages, PAGE, D), page c attended by row step.rows[c] over its first step.valid[c]
     columns (step.mask (C, 1, 1, PAGE)). Each page is attended on its own (its max and sum kept),
     then a row's pages are joined: out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M the
     row's largest m_c: the softmax over the row's columns, whatever their pages. The g = Hq / Hkv
@@ -258,11 +258,11 @@ def paged_attention(query, pool_k, pool_v, step, scaling: float):
     repeat_kv pairs them), so no K/V is copied per head. A pad page (CUDA's page buckets) belongs
     to row n, dropped. Returns (n, 1, Hq, D)."""
     n, Hq, _, D = query.shape
-    Hkv = pool_k.shape[2]
+    Hkv = pool_k.shape[0]
     g = Hq // Hkv
     q = query.reshape(n, Hkv, g, D)[step.rows_q]                     # (C, Hkv, g, D): each page's row
-    k, v = pool_k.index_select(0, step.pages), pool_v.index_select(0, step.pages)   # (C, PAGE, Hkv, D) gathered
-    k, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)                  # (C, Hkv, D, PAGE), (C, Hkv, PAGE, D)
+    k, v = pool_k.index_select(1, step.pages), pool_v.index_select(1, step.pages)   # (Hkv, C, PAGE, D) gathered
+    k, v = k.permute(1, 0, 3, 2), v.transpose(0, 1)                  # (C, Hkv, D, PAGE), (C, Hkv, PAGE, D)
     s = (q @ k).float() * scaling                                    # (C, Hkv, g, PAGE) fp32
     s = s.masked_fill(~step.mask, float("-inf"))                     # every page has a valid column
     m = s.amax(-1)                                                   # (C, Hkv, g)
@@ -285,11 +285,11 @@ def row_attention(query, pool_k, pool_v, step, scaling: float):
     own columns; one SDPA call with the query heads of a KV head folded into the query axis (no
     K/V copy per head). Returns (n, 1, Hq, D)."""
     n, Hq, _, D = query.shape
-    page, Hkv = pool_k.shape[1], pool_k.shape[2]
+    Hkv, page = pool_k.shape[0], pool_k.shape[2]
     W = step.table.shape[1] * page
 
-    def rows(pool):   # (n, Hkv, P x PAGE, D): pages of a row side by side, one copy (a view after it)
-        return pool.index_select(0, step.table.reshape(-1)).view(n, W, Hkv, D).transpose(1, 2)
+    def rows(pool):   # (n, Hkv, P x PAGE, D): a row's pages side by side, each head's (W, D) contiguous
+        return pool.index_select(1, step.table.reshape(-1)).view(Hkv, n, W, D).transpose(0, 1)
     out = F.scaled_dot_product_attention(query.reshape(n, Hkv, Hq // Hkv, D), rows(pool_k), rows(pool_v),
                                          attn_mask=step.row_mask, scale=scaling)      # (n, Hkv, g, D)
     return out.reshape(n, 1, Hq, D)
@@ -345,8 +345,8 @@ class _Writes:
     [page, offset] of each row's write, then the attended pages, their rows and their valid
     columns; `decode` makes the views every layer reads, eagerly, before the step runs."""
 
-    def __init__(self, heads: int, page: int, capacity: int, rows: int, device):
-        self.heads, self.page = heads, page
+    def __init__(self, heads: int, page: int, pages: int, capacity: int, rows: int, device):
+        self.heads, self.page, self.pool_pages = heads, page, pages
         self.meta = torch.zeros(2 * rows + 3 * capacity, dtype=torch.long, device=device)
         self.head = torch.arange(heads, device=device)
         self.columns = torch.arange(page, device=device)
@@ -355,8 +355,8 @@ class _Writes:
         self.table = self.row_mask = None   # ATTEND "rows": (n, P) pages, (n, 1, 1, P x PAGE) columns
 
     def slots(self, page, offset):
-        """Flat indices (..., H) into a layer's (pages * PAGE * H, D) view: page, offset, head."""
-        return (page * self.page + offset)[..., None] * self.heads + self.head
+        """Flat indices (..., H) into a layer's (H * pages * PAGE, D) view: head, page, offset."""
+        return (self.head * self.pool_pages + page[..., None]) * self.page + offset[..., None]
 
     def prefill(self, src, page, offset) -> None:
         """Newcomer k (a row of the prefill batch, src[k]) writes its P positions to `page`,
@@ -375,8 +375,9 @@ class _Writes:
 
 
 class _PagedLayer(DynamicLayer):
-    """One layer's K and V pools, (pages, PAGE, H, D) each, written in place: a page's tokens
-    side by side, so a row's gathered pages are its columns in order (row_attention views them)."""
+    """One layer's K and V pools, (H, pages, PAGE, D) each, written in place: head-major, so a
+    row's gathered pages are, for each head, its columns in order and contiguous (what SDPA reads
+    fastest; row_attention views them without a copy)."""
 
     def __init__(self, keys, values, writes: _Writes):
         super().__init__()
@@ -410,7 +411,7 @@ def _page_cache(model, pages: int, page: int, writes: _Writes):
     cache = new_cache(model)
     if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", [])):
         raise NotImplementedError("generate supports full-attention models only (no sliding-window layers)")
-    shape = (pages, page, heads, head_dim)
+    shape = (heads, pages, page, head_dim)
     cache.layers = [_PagedLayer(torch.zeros(shape, dtype=model.dtype, device=dev),
                                 torch.zeros(shape, dtype=model.dtype, device=dev), writes)
                     for _ in range(cfg.num_hidden_layers)]
@@ -841,8 +842,8 @@ def _first_logits(model, cache, writes, st: _Rows, job: _Job, dest, admitted, co
     if src:
         s, d = _to(np.array(src), writes.head.device), _to(np.array(new), writes.head.device)
         for layer in cache.layers:
-            layer.keys[d] = layer.keys[s]                                   # (N', PAGE, H, D)
-            layer.values[d] = layer.values[s]
+            layer.keys[:, d] = layer.keys[:, s]                             # (H, N', PAGE, D)
+            layer.values[:, d] = layer.values[:, s]
     _keep(job, pg, want, holder)
     return torch.stack(out)                                                  # (N, V)
 
@@ -1096,7 +1097,7 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     _row_count(len(prompts), need, bpt, kv_budget, max_rows)       # a budget below the longest row: refused
     total = _pool_pages(prompts, limits, page, page * bpt, kv_budget)
     most = int(pages_for(need, page))
-    writes = _Writes(_kv_heads_and_dim(model.config)[0], page, S * most, S, dev)
+    writes = _Writes(_kv_heads_and_dim(model.config)[0], page, total, S * most, S, dev)
     cache = _page_cache(model, total, page, writes)
     job = _new_job(prompts, limits, pad_id, share_prefix, row_keys(keys, len(prompts), dev), dev)
     slots = _slots(model, S, dev, cuda_graphs and cudagraphs.usable(dev))

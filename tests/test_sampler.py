@@ -531,7 +531,7 @@ def test_paged_attention_equals_transformers_sdpa_and_eager_attention():
     q, k, v = (torch.randn(n, h, t, D, generator=g) for h, t in ((8, 1), (2, W), (2, W)))
     width = [11, 9, 7, 4, 2, 1, 0]                               # the last row holds no page (a free slot)
     k[1, :, :3], v[1, :, :3] = k[0, :, :3], v[0, :, :3]          # rows 0 and 1 share their first page
-    pool_k, pool_v = torch.randn(40, page, 2, D, generator=g), torch.randn(40, page, 2, D, generator=g)
+    pool_k, pool_v = torch.randn(2, 40, page, D, generator=g), torch.randn(2, 40, page, D, generator=g)
     free, pages, rows, valid, first = iter(torch.randperm(39, generator=g)[:30].add(1).tolist()), [], [], [], None
     for r, w in enumerate(width):
         for j in range(-(-w // page)):
@@ -539,7 +539,7 @@ def test_paged_attention_equals_transformers_sdpa_and_eager_attention():
             first = p if (r, j) == (0, 0) else first
             cols = slice(j * page, min(w, (j + 1) * page))
             w_ = cols.stop - cols.start
-            pool_k[p, :w_], pool_v[p, :w_] = k[r, :, cols].transpose(0, 1), v[r, :, cols].transpose(0, 1)
+            pool_k[:, p, :w_], pool_v[:, p, :w_] = k[r, :, cols], v[r, :, cols]
             pages.append(p), rows.append(r), valid.append(cols.stop - cols.start)
     pages.append(0), rows.append(n), valid.append(1)             # a pad page: row n, dropped
     ours = engine.paged_attention(q, pool_k, pool_v, Step(n, pages, rows, valid, page), attn.scaling)
