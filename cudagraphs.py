@@ -1,21 +1,30 @@
-"""CUDA graphs for the engine's decode step: captured once per key, replayed, or off for the process.
+"""CUDA graphs for the engine's decode step: captured once per key and process, in pieces around
+eager holes, replayed; off for the process after a capture fails twice.
 
-    graphs = cudagraphs.StepGraphs(device)       # one per generate call: its graphs share a memory pool
+    graphs = cudagraphs.StepGraphs(device)       # the engine keeps one per device and weights
     graphs.run(key, step)                        # step() run once, captured under `key`; replayed after
+    out = cudagraphs.hole(fn)                    # inside step: fn() eagerly, between two captured pieces
     with cudagraphs.on_device(device): ...       # `device` current for the duration (CUDA only)
 
 What it decides, and why:
 - `step` is a function of buffers written in place (no argument, no result, no host read), so a
   graph of it replays the same work on new data. The first `run` of a key runs `step` on a side
   stream (lazy set-ups happen outside the capture) and captures it; that run is the step's own
-  execution (a capture records, it does not execute). Later runs of the key replay the graph.
+  execution (a capture records, it does not execute). Later runs of the key replay it.
+- a step is captured in pieces: where it calls `hole(fn)`, the piece so far is ended, fn() runs
+  eagerly, and a new piece begins; a replay runs piece, hole, piece, ..., each hole's result
+  copied into the tensor it gave at capture, which the next piece reads. The engine's hole is
+  each layer's paged attention, whose shapes change every step (the pages its rows hold), so
+  the rest of the step (every weight, ~95% of its kernels) is one graph per row bucket, kept for
+  the process, the way vLLM's piecewise graphs leave attention out.
 - every call to `torch.cuda` names the model's device, and a capture runs with that device
   current: a stream or capture on the current device while the model sits on another one (a
   `--device cuda:1` run outside torchrun) records nothing, and an empty graph replays as a no-op
   (stale logits, no K/V written) with only a warning from PyTorch.
-- the first capture that fails turns graphs off for the whole process (`GRAPHS["refused"]`, its
-  first exception, printed once): every later step runs eagerly rather than retrying a capture
-  that fails the same way at every call. The step that failed already ran (its warm-up).
+- a capture that fails is tried once more (GRAPHS["failures"] counts both); a second failure
+  turns graphs off for the whole process (`GRAPHS["refused"]`, its first exception, printed
+  once to stderr and, through `graphs_status`, in train.py's step line and metrics.jsonl): every
+  later step runs eagerly, several times slower, so a run must say so where it is read.
 - `cuda`, the module every call goes through, is `torch.cuda`; tests put a stand-in there to
   check on a CPU what the engine asks of it (tests/test_cudagraphs.py).
 GRAPHS counts what happened in this process, and `graphs_line` says it in one line for the bench
@@ -29,24 +38,37 @@ import torch
 
 cuda = torch.cuda   # every CUDA call goes through this name (a test's stand-in replaces it)
 
-# What the decode graphs did in this process: generate calls, graphs captured, steps replayed,
-# steps run eagerly, the wall time of the captures (their warm-up step included), and the first
-# capture failure ("" if none; once set, graphs stay off).
-GRAPHS = {"calls": 0, "captures": 0, "replays": 0, "eager_steps": 0, "capture_s": 0.0, "refused": ""}
+# What the decode graphs did in this process: generate calls, graphs captured (one a key), steps
+# replayed, steps run eagerly, the wall time of the captures (their warm-up step included),
+# captures that failed, and the first failure that turned graphs off ("" if none).
+GRAPHS = {"calls": 0, "captures": 0, "replays": 0, "eager_steps": 0, "capture_s": 0.0, "failures": 0,
+          "refused": ""}
+_CAPTURING = []   # the capture in progress, for `hole`
 
 
 def graphs_line() -> str:
     """One line of GRAPHS: whether decode steps replayed graphs or ran eagerly (and why)."""
     g = GRAPHS
     why = f"; graphs refused: {g['refused']}" if g["refused"] else ""
+    failed = f", {g['failures']} failed" if g["failures"] else ""
     each = (f", {(g['replays'] + g['captures']) / g['captures']:.0f} steps per capture, "
             f"{g['capture_s']:.1f} s capturing" if g["captures"] else "")
-    return (f"{g['calls']} generate calls, {g['captures']} graph captures ({g['captures'] / max(g['calls'], 1):.1f} "
-            f"per call{each}), {g['replays']} steps replayed, {g['eager_steps']} eager{why}")
+    return (f"{g['calls']} generate calls, {g['captures']} graph captures{failed} "
+            f"({g['captures'] / max(g['calls'], 1):.1f} per call{each}), {g['replays']} steps replayed, "
+            f"{g['eager_steps']} eager{why}")
+
+
+def graphs_status() -> str:
+    """'' while graphs work or were never tried; else what a run's step line and metrics.jsonl
+    say: the failed captures and whether graphs are off for the process."""
+    g = GRAPHS
+    if g["refused"]:
+        return f"off ({g['refused']})"
+    return f"{g['failures']} failed captures" if g["failures"] else ""
 
 
 def usable(device) -> bool:
-    """Whether decode steps on `device` may be captured: a CUDA device, and no capture has failed
+    """Whether decode steps on `device` may be captured: a CUDA device, and graphs not turned off
     in this process."""
     return torch.device(device).type == "cuda" and not GRAPHS["refused"]
 
@@ -58,70 +80,113 @@ def on_device(device):
 
 
 def first_cause(e: BaseException) -> BaseException:
-    """The exception that started a chain: a capture that fails inside `torch.cuda.graph` raises
-    again when the capture is ended, and that second error names only the capture."""
+    """The exception that started a chain: a capture that fails inside a capture raises again
+    when the capture is ended, and that second error names only the capture."""
     while e.__context__ is not None and e.__context__ is not e:
         e = e.__context__
     return e
 
 
+def hole(fn):
+    """fn()'s result: run eagerly now, and while a step is being captured, recorded between two
+    pieces so that every replay runs it there again (its result copied into the tensor returned
+    now, which the pieces after it read). fn must read only tensors made before it (in place
+    later) and objects it looks up when called."""
+    return _CAPTURING[-1].hole(fn) if _CAPTURING else fn()
+
+
+class _Pieces:
+    """A step captured as graphs with eager holes between them (see `hole`)."""
+
+    def __init__(self, pool):
+        self.pool, self.graphs, self.holes = pool, [], []
+
+    def begin(self) -> None:
+        g = cuda.CUDAGraph()
+        self.graphs.append(g)
+        g.capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        self.graphs[-1].capture_end()
+        if self.pool is None:
+            self.pool = self.graphs[-1].pool()   # later pieces and keys share the first's memory pool
+
+    def hole(self, fn):
+        self.end()
+        out = fn()
+        self.holes.append((fn, out))
+        self.begin()
+        return out
+
+    def replay(self) -> None:
+        for i, g in enumerate(self.graphs):
+            g.replay()
+            if i < len(self.holes):
+                fn, out = self.holes[i]
+                out.copy_(fn())
+
+
 class StepGraphs:
-    """The graphs of one generate call, keyed by whatever fixes a step's shapes."""
+    """The decode graphs of one device and one set of weights, keyed by what fixes a step's
+    shapes (the engine's row bucket); kept by the engine across generate calls."""
 
     def __init__(self, device):
         self.device = torch.device(device)
-        self.graphs, self.pool = {}, None
-        self.captures = self.replays = self.eager_steps = 0
-        self.capture_s = 0.0
+        self.graphs, self.pool, self.cause = {}, None, ""
 
     def run(self, key, step) -> None:
-        """Replay key's graph; else run step() and capture it; eagerly once graphs are off."""
+        """Replay key's graph; else run step() and capture it (twice at most); eagerly once graphs
+        are off."""
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
-            self.replays += 1
+            GRAPHS["replays"] += 1
             return
         if GRAPHS["refused"]:
             step()
-            self.eager_steps += 1
+            GRAPHS["eager_steps"] += 1
             return
         t = time.perf_counter()
-        graph = self._capture(step)
-        self.capture_s += time.perf_counter() - t
+        graph = self._capture(step, warm=True) or self._capture(step, warm=False)   # a failure: once more
+        GRAPHS["capture_s"] += time.perf_counter() - t
         if graph is None:
-            self.eager_steps += 1
+            GRAPHS["refused"] = self.cause
+            print(f"engine: no CUDA graphs for the rest of this process ({self.cause}); decoding eagerly",
+                  file=sys.stderr)
+            GRAPHS["eager_steps"] += 1
         else:
             self.graphs[key] = graph
-            self.captures += 1
+            GRAPHS["captures"] += 1
 
-    def _capture(self, step):
-        """Run step() on a side stream, then capture it into a graph sharing the call's memory
-        pool, with the device current; None if the capture fails (graphs are then off)."""
+    def _capture(self, step, warm: bool):
+        """Run step() on a side stream (`warm`: the step's execution; a second try runs nothing
+        again, the step is already done), then capture it in pieces sharing the memory pool of
+        these graphs, with the device current. None if the capture fails (counted, its first
+        cause kept in self.cause)."""
         dev = self.device
         with on_device(dev):
             side = cuda.Stream(device=dev)
             side.wait_stream(cuda.current_stream(dev))
             with cuda.stream(side):
-                step()                                   # the step's execution: a capture only records
-            cuda.current_stream(dev).wait_stream(side)
-            try:
-                graph = cuda.CUDAGraph()
-                with cuda.graph(graph, pool=self.pool, stream=side):
-                    step()
-                self.pool = graph.pool()
-                return graph
-            except Exception as e:  # noqa: BLE001 - any failure: decode eagerly from now on
-                cause = first_cause(e)
-                GRAPHS["refused"] = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:200]}"
-                print(f"engine: no CUDA graphs for the rest of this process ({GRAPHS['refused']}); "
-                      "decoding eagerly", file=sys.stderr)
+                if warm:
+                    step()                               # the step's execution: a capture only records
                 cuda.synchronize(dev)
-                return None
-
-    def count(self) -> None:
-        """Add this call's captures, replays and eager steps to GRAPHS."""
-        GRAPHS["calls"] += 1
-        GRAPHS["captures"] += self.captures
-        GRAPHS["replays"] += self.replays
-        GRAPHS["eager_steps"] += self.eager_steps
-        GRAPHS["capture_s"] += self.capture_s
+                pieces = _Pieces(self.pool)
+                _CAPTURING.append(pieces)
+                try:
+                    pieces.begin()
+                    step()
+                    pieces.end()
+                except Exception as e:  # noqa: BLE001 - any failure: try once more, then decode eagerly
+                    with contextlib.suppress(Exception):
+                        pieces.graphs[-1].capture_end()  # a capture left open would poison the stream
+                    cause = first_cause(e)
+                    self.cause = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:200]}"
+                    GRAPHS["failures"] += 1
+                    cuda.synchronize(dev)
+                    return None
+                finally:
+                    _CAPTURING.pop()
+            cuda.current_stream(dev).wait_stream(side)
+            self.pool = pieces.pool
+            return pieces

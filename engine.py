@@ -5,58 +5,78 @@
 
 `generate_simple` (rollout.py) holds every row of a call for as many steps as the longest and
 attends every row over the widest one. `generate` keeps what it samples and changes how:
-- continuous batching: S cache rows, as many as `kv_budget` bytes hold at the call's longest
-  row (prompt + max_new_tokens columns), capped by `max_rows`; a row that stops gives its cache
-  row to the next waiting prompt. Newcomers are admitted once REFILL_AT (1/16) of the rows are
-  free, together in one prefill through the same cache (in chunks of alike lengths, so a short
-  prompt is not padded to the longest: `_prefill_chunks`): a prefill of a few rows costs about a
-  decode step (on a GPU both read every weight once), so refilling one row at a time would add
-  a forward to most steps, while waiting for 1/16 keeps the batch at least 15/16 full. Once
-  nothing waits, the busy rows are packed into a smaller row bucket as soon as they fit.
-- dense cache rows, not pages: SDPA wants each row's K/V as one tensor, and gathering pages into
-  one every step would copy the attended cache per token. The price: a row is sized for the
-  worst case. A prompt is written from column 0 of its row, so a token's column is its
-  position, and a decode step writes each row's new K/V at its own column (one index_copy_ a
-  layer).
-- prefix sharing: identical prompts (Voting's voters) are prefilled once; a copy admitted
-  later copies the K/V from a cache row that still holds the prompt and reuses its first
-  logits. Each row still draws its own first token.
-- width-aware attention: rows in flight sit widest first and are cut into row groups; a group
-  attends its widest row's columns only (`_groups`: one rule on every device, the groups that
-  cost least when a call costs ATTN_CALL and a padded column what it attends). `decode_attention`
-  folds each KV head's query heads into the query axis, so no K/V is copied per head.
+- the cache in pages: each layer's K/V is one pool of fixed-size pages (PAGE tokens), sized to
+  the call (at most `kv_budget` bytes, at most what every row needs at once), page 0 a trash page
+  that only discarded writes touch. A row owns a list of pages (its block table, kept on the
+  host): its prompt's pages when it is admitted, one more each time it crosses a page boundary,
+  all returned the step the host learns it ended. So a row holds about its own length, not the
+  call's longest prompt + max_new_tokens, and a finished row's memory is free at once.
+- continuous batching: up to S row slots (one per prompt, capped by `max_rows`); a waiting
+  prompt is admitted once a slot is free and the free pages hold its prompt and leave a page
+  for each row in flight, so the rows in flight are bounded by the tokens they hold, not by
+  their limits. When a step's rows need more pages than are free, kept prompts are let go, then
+  the latest admitted row is preempted (`_preempt`): its pages are freed and it waits first in
+  the queue with the tokens it has sampled; readmitted, it prefills its prompt and those tokens
+  and goes on at its own positions with its own keys, so its samples do not change. Newcomers are admitted once
+  REFILL_AT (1/16) of the rows in flight could be, together in one prefill (in chunks of alike
+  lengths, so a short prompt is not padded to the longest: `_prefill_chunks`): a prefill of a few
+  rows costs about a decode step (on a GPU both read every weight once), so refilling one row at
+  a time would add a forward to most steps. Once nothing waits, the busy rows are packed into a
+  smaller row bucket as soon as they fit (moving a row moves its counters and block table, never
+  its K/V).
+- prefix sharing: identical prompts (Voting's voters) are prefilled once; a copy shares the
+  prompt's full pages (counted references, never written again: decode writes only past the
+  prompt) and copies its last, partial page, and reuses its first logits. Each row still draws
+  its own first token. A prompt's pages and logits are kept while copies of it wait.
+- paged attention, plain PyTorch (`paged_attention`, ATTEND["cuda"]): a decode step attends
+  page by page: the pages of every row in flight are gathered from the pools (an index_select
+  for K and one for V a layer), each attended by its row's query (the query heads of a KV head
+  folded, so no K/V is copied per head), and the pages of a row joined by their log-sum-exp (as
+  flash-decoding joins its splits). Every row attends its own columns rounded up to a page;
+  nothing is padded to another row. On a CPU (`row_attention`) each row's pages are gathered
+  side by side, as wide as the step's widest row, for one SDPA call: fewer, larger ops. This
+  replaces the dense cache rows (each sized for the call's longest row), the row groups cut by
+  width with their HEADROOM columns to grow into, and the relayout that moved K/V between rows.
+  Its price against a fused paged kernel (FlexAttention's, or varlen_attn's block_table, which
+  torch 2.11 lacks): the gathered pages are written once and read again, about 3x the K/V bytes
+  a step attends.
 - no host sync in a decode step: the device keeps its own counters and advances them after
-  each sample; the host keeps a copy that decides the schedule, and learns which rows hit a
-  stop id from a copy made without blocking and read once every STOP_EVERY steps (a row that
-  stopped runs on, its tokens discarded, for up to 2 x STOP_EVERY steps). On a CPU the device
-  is the host, so a read waits for nothing: there it reads every step, and no row runs on.
-- static shapes: a decode step's inputs are buffers written in place, the rows run come in
-  buckets (1, 2, 4, 8, multiples of 8) and widths in WIDTH_BUCKET columns, so on CUDA each
-  (rows, groups) shape is captured once as a CUDA graph and replayed (cudagraphs.py: the model's
-  device current, the first failed capture turning graphs off for the process); a row's own
-  length is data (the mask), and a step keeps an earlier step's groups while they cover its rows
-  (given HEADROOM columns to grow into), so one graph serves about 130 steps, not one width
-  bucket's worth. Elsewhere, or once a capture has failed (said in one line), the step runs eagerly.
-- attention kernels: on CUDA the SDPA kernels are pinned (policies.attention_kernels here, and
-  policies.cuda_settings for the whole run): the memory-efficient kernel wherever a mask is
-  passed (decode), flash where none is (prefill), never cuDNN's, which PyTorch 2.9+ tries first
-  on H100/H200 and which builds a plan for every new shape. A prefill on CUDA is right-padded
-  and causal with no mask (half the P x P work, no K/V copy per head), each row's logits read at
-  its own last position (_last_logits); on a CPU it is left-padded with a mask, and nothing is
-  pinned.
+  each sample; the host keeps a copy that decides the schedule (which pages each step attends,
+  where each row writes: built on the host, copied in one non-blocking transfer), and learns
+  which rows hit a stop id from a copy made without blocking and read once every STOP_EVERY
+  steps (a row that stopped runs on, its tokens discarded, for up to 2 x STOP_EVERY steps). On a
+  CPU the device is the host, so a read waits for nothing: there it reads every step.
+- graphs captured once per process: a decode step's inputs are buffers written in place, the
+  rows run come in buckets (1, 2, 4, 8, multiples of 8), and the one part whose shapes change
+  every step, each layer's paged attention, runs eagerly between captured pieces
+  (cudagraphs.hole); so on CUDA a step of n rows is captured once for the process and the
+  weights it reads (an adapter), with the buffers it reads (_Slots, kept across calls, up to
+  KEEP_WEIGHTS sets of weights), and replayed (cudagraphs.py: the model's device current, a
+  failed capture retried once, then graphs off for the process, said in the step line).
+  Elsewhere the step runs eagerly. What is kept lives through the update: each set's graph
+  memory pool and its (S, V) fp32 logits.
+- attention kernels: on CUDA the SDPA kernels are pinned for the prefill (policies.attention_kernels
+  here, and policies.cuda_settings for the whole run): flash where no mask is passed, never
+  cuDNN's, which PyTorch 2.9+ tries first on H100/H200 and which builds a plan for every new
+  shape. A prefill on CUDA is right-padded and causal with no mask (half the P x P work, no K/V
+  copy per head), each row's logits read at its own last position (_last_logits); on a CPU it is
+  left-padded with a mask, and nothing is pinned.
 
 Invariants, each a test in tests/test_sampler.py (the engine's spec):
 1. the same samples as generate_simple: tokens, mask (stop token included) and finished flags
    equal, logprobs equal to float rounding, for greedy and keyed sampling, whatever the budget,
-   the refills, the row groups and the model (`test_sampling_equals_generate_simple_...`,
-   `test_rows_attended_in_width_groups_...`, `test_generate_equals_generate_simple_greedy_...`);
-2. at most `kv_budget` bytes of cache are held (`test_kv_memory_held_never_exceeds_the_budget`);
+   the refills, the preemptions, the page size and the model (`test_sampling_equals_generate_simple_...`,
+   `test_pages_of_any_size_sample_what_generate_simple_does`, `test_rows_preempted_...`,
+   `test_generate_equals_generate_simple_greedy_...`);
+2. at most `kv_budget` bytes of cache are held (`test_kv_memory_held_never_exceeds_the_budget`),
+   and a call holds pages for about its rows' own tokens (`test_a_long_prompt_among_short_ones_...`);
 3. no host read inside a decode step, the stop check read once every STOP_EVERY["cuda"] steps
    (`test_no_host_sync_inside_a_decode_step_...`), and no K/V copy per query head on any
    transformers version (`test_no_repeat_kv_in_a_decode_step_...`);
-4. on CUDA, graphs replay what eager steps sample, every CUDA call names the model's device and
-   runs with it current, and the schedule of a paper-like voter call captures a graph every
-   hundred steps or more (tests/test_cudagraphs.py, with a stand-in for torch.cuda on a CPU).
+4. on CUDA, graphs replay what eager steps sample, each adapter's own, every CUDA call names the
+   model's device and runs with it current, a failed capture is retried once, and a paper-like
+   voter call attends within 1.1x its rows' own widths and, called twice, captures each row
+   bucket once (tests/test_cudagraphs.py, with a stand-in for torch.cuda on a CPU).
 
 The KV budget's helpers (bytes per token, rows that fit, the default budget) sit here too,
 with `memory_plan`, the line a run prints to say what its memory holds beside the cache.
@@ -85,48 +105,44 @@ KV_FRACTION = 0.85         # share of free CUDA memory (after loading) for the K
                            # (torch.cuda.empty_cache) when it returns, so the update gets it all;
                            # the rest holds what lives beside the cache (AdamW states, logits)
 PREFILL_TOKENS = 32768     # padded prompt tokens per prefill forward (bounds its activations)
-# bytes a decode step's sampling holds at once per row and vocabulary entry (rollout.sample_next):
-# the fp32 logits buffer and their log-softmax (4 + 4), then a float64 copy of the scaled logits
-# and its softmax, or that softmax and its cumulative sum (8 + 8): 6 x the logits' 4 bytes, not
-# 1 x (top-p's sort adds 16 more)
-SAMPLE_BYTES = 24
-REFILL_AT = 1 / 16         # admit newcomers once this share of the rows is free (see _refill)
+# bytes a decode step's sampling holds at once per row and vocabulary entry on CUDA
+# (rollout.sample_next, fp32 there: rollout.SAMPLE_DTYPE): the fp32 logits buffer and their
+# log-softmax (4 + 4), the scaled logits and their softmax (4 + 4); top-p's sort adds 12 more
+SAMPLE_BYTES = 16
+REFILL_AT = 1 / 16         # admit newcomers once this share of the rows could be (see _refill)
 # decode steps between the host's reads of which rows stopped: on CUDA a read waits for the
 # device, so it reads a copy made 4 steps before; on a CPU it costs nothing, so every step
 STOP_EVERY = {"cuda": 4, "cpu": 1}
-ATTN_GROUPS = 32           # at most this many runs _cheapest partitions: of rows in a decode step's
-                           # attention (_groups), of prompts in a prefill (_prefill_chunks)
-GROUP_ROWS = {"cuda": 32, "cpu": 1}     # rows a row group grows by: on CUDA SDPA runs one thread block
-                                        # per (row, KV head), and fewer than ~256 leave SMs idle
-WIDTH_BUCKET = {"cuda": 128, "cpu": 1}  # attended widths round up to a multiple: on CUDA a graph each
-# What one more attention call costs, as the K/V elements (row x column x KV head x head dim) that
-# the same time attends. CPU: measured with bench/generate.py --call-cost (13-15 us a bare call
-# against 0.5-0.9 ns an element, 16k-29k elements, one thread, torch 2.13 on an AMD EPYC), set a
-# little above for the slicing and concatenation around the call. CUDA: stated, not measured:
-# a launch inside a graph (~2 us) against reading bf16 K and V at ~4.8 TB/s (an H200).
-ATTN_CALL = {"cpu": 30_000, "cuda": 4_000_000}
+ATTN_GROUPS = 32           # at most this many runs _cheapest partitions of prompts in a prefill
+# Tokens a page holds. Smaller pages waste less (a row holds at most one page it does not fill,
+# and attends its own columns rounded up to a page) and gather more pieces. CUDA: 64 (7 MiB at
+# the 0.6B shape; a row of 1,000 columns attends 3% more than its own). CPU: 8, so a 20-token
+# prompt with a few new tokens holds about what it has (tests/test_sampler.py measures it).
+PAGE = {"cuda": 64, "cpu": 8}
+# How a decode step attends the rows' pages. "pages": page by page, each row exactly its own
+# columns (paged_attention); its many small products suit a GPU, where launches are in a graph and
+# the K/V read is the cost. "rows": each row's pages gathered into one row as wide as the step's
+# widest, then one SDPA call (row_attention): on a CPU, where each op's overhead counts, about
+# half the time of "pages" at the small shape of bench/generate.py (it attends the padding).
+ATTEND = {"cuda": "pages", "cpu": "rows"}
+# generate calls' weights whose decode graphs (and the buffers they read) are kept: one a role's
+# adapter under --sharing isolated; the oldest go first
+KEEP_WEIGHTS = 8
 # What one more prefill forward costs, as padded prompt tokens: prompts are prefilled longest
 # first in the chunks that cost least (_prefill_chunks), so short prompts are not padded to the
 # longest. CPU: chosen from bench/generate.py's equal work on the small shape, where 16, 64 and
 # 256 did alike (1.19-1.21x model.generate against 1.12x for one chunk). CUDA: stated, not
 # measured: a forward's launches (~2-5 ms at 28 layers) against ~2 us a 0.6B prompt token.
 PREFILL_CALL = {"cpu": 64, "cuda": 2048}
-# Columns a step's fresh row groups get beyond their widest row, so that the groups (and the CUDA
-# graph of their shapes) serve the next HEADROOM steps as the rows grow, and a step keeps an
-# earlier step's groups while they cover its rows and cost at most RELAYOUT times fresh ones
-# (_Decoder.layout). CUDA: what a capture costs (stated, not measured: ~50-200 ms with its
-# warm-up step and synchronize; cudagraphs.GRAPHS times them) against what the padding costs
-# each step. On tests/test_cudagraphs.py's paper-like voter call, 0 / 64 / 128 / 256 columns
-# capture every 33 / 90 / 129 / 171 steps and attend 1.28 / 1.31 / 1.35 / 1.43 x the rows' own
-# widths: 128 saves the most decode time for captures of 40 ms or more at the 0.6B shape.
-# CPU: no graph, so none (every step its own cheapest groups).
-HEADROOM = {"cuda": 128, "cpu": 0}
-RELAYOUT = 1.25
 # Prefill: on CUDA prompts are right-padded and run the causal kernel with no mask (flash: half
 # of the P x P attention, and no K/V copy per head on transformers 5.17), each row's logits read
 # at its own last position; on a CPU left-padded with an explicit mask, as the reference is
 # (_prefill: the CPU's samples stay as they were).
 PREFILL_CAUSAL = {"cuda": True, "cpu": False}
+
+
+def _kind(device) -> str:
+    return "cuda" if torch.device(device).type == "cuda" else "cpu"
 
 
 # ----------------------------------------------------------------------------- KV budget
@@ -143,9 +159,17 @@ def kv_bytes_per_token(config, dtype) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def rows_that_fit(kv_budget: int, bytes_per_token: int, length: int) -> int:
-    """Rows of `length` tokens (prompt + max_new_tokens) that `kv_budget` bytes hold."""
-    return int(kv_budget) // (bytes_per_token * length)
+def rows_that_fit(kv_budget: int, bytes_per_token: int, length: int, page: int = 1) -> int:
+    """Rows of `length` tokens (prompt + max_new_tokens, in whole pages of `page` tokens) that
+    `kv_budget` bytes hold, the trash page aside: the rows in flight at once when every row runs
+    to its limit (shorter rows, more of them)."""
+    pages = int(kv_budget) // (bytes_per_token * page) - (page > 1)
+    return max(0, pages) // int(-(-length // page))
+
+
+def pages_for(tokens, page: int):
+    """Pages that hold `tokens` (an int or an array)."""
+    return -(-tokens // page)
 
 
 def default_kv_budget(device, fraction: float = KV_FRACTION) -> int:
@@ -158,14 +182,20 @@ def default_kv_budget(device, fraction: float = KV_FRACTION) -> int:
     return CPU_KV_BUDGET
 
 
-def kv_budget_line(kv_budget: int, bytes_per_token: int, prompt_tokens: int, new_tokens: int) -> str:
-    """The line a script prints once: what the budget holds at its length limits."""
-    n = rows_that_fit(kv_budget, bytes_per_token, prompt_tokens + new_tokens)
-    return f"KV budget {kv_budget / 2**30:.2f} GiB holds {n} rows of {prompt_tokens}+{new_tokens} tokens"
+def kv_budget_line(kv_budget: int, bytes_per_token: int, prompt_tokens: int, new_tokens: int,
+                   page: int = PAGE["cuda"]) -> str:
+    """The line a script prints once: what the budget holds in pages, and the rows in flight when
+    every row runs to the length limits (rows hold only their own tokens: shorter ones, more)."""
+    n = rows_that_fit(kv_budget, bytes_per_token, prompt_tokens + new_tokens, page)
+    pages = int(kv_budget) // (bytes_per_token * page)
+    return (f"KV budget {kv_budget / 2**30:.2f} GiB in {pages:,} pages of {page} tokens holds {n} rows of "
+            f"{prompt_tokens}+{new_tokens} tokens")
 
 
 def _row_count(prompts: int, need: int, bytes_per_token: int, kv_budget, max_rows) -> int:
-    """Cache rows the call holds: one per prompt, capped by max_rows and by what the budget holds."""
+    """Rows in flight the budget guarantees: one per prompt, capped by max_rows and by the rows of
+    the call's longest need (prompt + max_new_tokens, `need` tokens) it holds; more run at once
+    where rows are shorter. A budget below one row of the longest need is refused."""
     held = prompts if max_rows is None else max(1, min(prompts, max_rows))
     if kv_budget is not None:
         fit = rows_that_fit(kv_budget, bytes_per_token, need)
@@ -178,8 +208,8 @@ def _row_count(prompts: int, need: int, bytes_per_token: int, kv_budget, max_row
 
 
 def memory_plan(policy, kv_budget: int, args) -> str:
-    """One line of memory: weights, trainable weights with AdamW states, the KV budget and the
-    rows it holds at the length limits, and the training micro-batch; a user sees at once
+    """One line of memory: weights, trainable weights with AdamW states, the KV budget in pages and
+    the rows it holds at the length limits, and the training micro-batch; a user sees at once
     whether the run fits. On CUDA it also gives the numbers behind the default budget: the free
     memory after loading, KV_FRACTION of it for the cache, and what the rest must hold
     while the cache lives (the AdamW states, made at the first update, and what sampling holds:
@@ -197,8 +227,9 @@ def memory_plan(policy, kv_budget: int, args) -> str:
     prompt = a.max_prompt_tokens or 3 * min(a.max_embed_tokens or a.max_new_tokens, a.max_new_tokens) + 512
     logits = a.token_budget * cfg.vocab_size * 2 * size        # the logits and their gradient
     acts = a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size
-    rows = rows_that_fit(kv_budget, per_tok, prompt + a.max_new_tokens)
     device = next(p.model.parameters()).device
+    page = PAGE[_kind(device)]
+    rows = rows_that_fit(kv_budget, per_tok, prompt + a.max_new_tokens, page)
     why = ""
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
@@ -207,39 +238,77 @@ def memory_plan(policy, kv_budget: int, args) -> str:
         why = (f" | free after loading {gib(free)}: KV {share}, beside it AdamW {gib(16 * trainable)} + "
                f"sampling {gib(sampling)} = {gib(kv_budget + 16 * trainable + sampling)}")
     return (f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
-            f"{gib(16 * trainable)} | {kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens)} "
+            f"{gib(16 * trainable)} | {kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens, page)} "
             f"({per_tok / 1024:.0f} KiB a token){why} | micro-batch {a.token_budget} tokens: logits + grad {gib(logits)}, "
             f"layer inputs {gib(acts)}{' (checkpointed)' if p.checkpointing else ' + every activation'}")
 
 
-# ----------------------------------------------------------------------------- decode attention
+# ----------------------------------------------------------------------------- paged attention
 
-ATTENTION = "marl_rows"  # the name decode_attention has in transformers' AttentionInterface
+ATTENTION = "marl_pages"  # the name decode_attention has in transformers' AttentionInterface
 
 
-def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, row_groups=None,
+def paged_attention(query, pool_k, pool_v, step, scaling: float):
+    """One-token queries (n, Hq, 1, D) over their rows' pages: step.pages (C,) pages of the pools
+    (Hkv, pages, PAGE, D), page c attended by row step.rows[c] over its first step.valid[c]
+    columns (step.mask (C, 1, 1, PAGE)). Each page is attended on its own (its max and sum kept),
+    then a row's pages are joined: out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M the
+    row's largest m_c: the softmax over the row's columns, whatever their pages. The g = Hq / Hkv
+    query heads of a KV head are folded into the query axis (query head h uses KV head h // g, as
+    repeat_kv pairs them), so no K/V is copied per head. A pad page (CUDA's page buckets) belongs
+    to row n, dropped. Returns (n, 1, Hq, D)."""
+    n, Hq, _, D = query.shape
+    Hkv = pool_k.shape[0]
+    g = Hq // Hkv
+    q = query.reshape(n, Hkv, g, D)[step.rows_q]                     # (C, Hkv, g, D): each page's row
+    k, v = pool_k.index_select(1, step.pages), pool_v.index_select(1, step.pages)   # (Hkv, C, PAGE, D) gathered
+    k, v = k.permute(1, 0, 3, 2), v.transpose(0, 1)                  # (C, Hkv, D, PAGE), (C, Hkv, PAGE, D)
+    s = (q @ k).float() * scaling                                    # (C, Hkv, g, PAGE) fp32
+    s = s.masked_fill(~step.mask, float("-inf"))                     # every page has a valid column
+    m = s.amax(-1)                                                   # (C, Hkv, g)
+    p = torch.exp(s - m[..., None])                                  # (C, Hkv, g, PAGE)
+    o = (p.to(v.dtype) @ v).float()                                  # (C, Hkv, g, D)
+    l = p.sum(-1)                                                    # (C, Hkv, g)
+    rows = step.rows[:, None, None].expand_as(m)                     # (C, Hkv, g)
+    M = m.new_full((n + 1, Hkv, g), float("-inf")).scatter_reduce(0, rows, m, "amax")   # (n+1, Hkv, g)
+    w = torch.exp(m - M[step.rows])                                  # (C, Hkv, g) each page's weight
+    den = m.new_zeros((n + 1, Hkv, g)).index_add_(0, step.rows, l * w)
+    num = o.new_zeros((n + 1, Hkv, g, D)).index_add_(0, step.rows, o * w[..., None])
+    # a row with no page (a free slot in the row bucket) has den 0: it gets 0, not NaN
+    out = num[:n] / den[:n, ..., None].clamp(min=torch.finfo(den.dtype).tiny)   # (n, Hkv, g, D)
+    return out.to(query.dtype).reshape(n, 1, Hq, D)
+
+
+def row_attention(query, pool_k, pool_v, step, scaling: float):
+    """One-token queries (n, Hq, 1, D) over their rows' pages gathered into rows: step.table
+    (n, P) each row's pages (the trash page past its own), step.row_mask (n, 1, 1, P x PAGE) its
+    own columns; one SDPA call with the query heads of a KV head folded into the query axis (no
+    K/V copy per head). Returns (n, 1, Hq, D)."""
+    n, Hq, _, D = query.shape
+    Hkv, page = pool_k.shape[0], pool_k.shape[2]
+    W = step.table.shape[1] * page
+
+    def rows(pool):   # (n, Hkv, P x PAGE, D): a row's pages side by side, each head's (W, D) contiguous
+        return pool.index_select(1, step.table.reshape(-1)).view(Hkv, n, W, D).transpose(0, 1)
+    out = F.scaled_dot_product_attention(query.reshape(n, Hkv, Hq // Hkv, D), rows(pool_k), rows(pool_v),
+                                         attn_mask=step.row_mask, scale=scaling)      # (n, Hkv, g, D)
+    return out.reshape(n, 1, Hq, D)
+
+
+def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged=None,
                      **kwargs):
-    """transformers' attention function while `generate` runs (registered as ATTENTION).
-
-    A one-token query (decode) folds the g query heads of each KV head into the query axis,
-    (n, Hkv*g, 1, D) -> (n, Hkv, g, D), so SDPA reads each K/V head once and nothing copies it
-    (transformers' own SDPA path repeats the K/V g times with repeat_kv in 5.17). Query head h
-    uses KV head h // g, as repeat_kv pairs them. `row_groups`, ((start, end, w), ...), attends
-    rows [start, end) over their first w columns only; `attention_mask` is generate's
-    (n, 1, 1, W) bool mask (True: attended). Longer queries, or any without a mask (a prefill),
-    go to transformers' SDPA function as they are. Returns ((n, 1, Hq, D), None), the attention
-    functions' contract."""
-    if query.shape[2] != 1 or attention_mask is None:   # a prefill (a causal one may have a 1-token chunk)
+    """transformers' attention function while `generate` runs (registered as ATTENTION). A decode
+    step (`paged`, the _Slots passed through the model's forward) writes the step's K/V into the
+    pool of its call and attends the rows' pages (_Slots.attend), in a cudagraphs.hole: the one
+    part of a decode step whose shapes change every step, so it runs eagerly between the pieces
+    of a captured step. A prefill goes to transformers' SDPA function as it is. Returns
+    ((n, 1, Hq, D), None), the attention functions' contract."""
+    if paged is None or query.shape[2] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    n, Hq, _, D = query.shape
-    Hkv = key.shape[1]
-    q = query.reshape(n, Hkv, Hq // Hkv, D)                            # (n, Hkv, g, D)
-    parts = [F.scaled_dot_product_attention(q[a:b], key[a:b, :, :w], value[a:b, :, :w],
-                                            attn_mask=attention_mask[a:b, :, :, :w], scale=scaling)
-             for a, b, w in row_groups or ((0, n, key.shape[2]),)]    # each (b - a, Hkv, g, D)
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return out.reshape(n, 1, Hq, D), None
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    i = module.layer_idx
+    return cudagraphs.hole(lambda: paged.attend(i, query, key, value, scaling)), None
 
 
 AttentionInterface.register(ATTENTION, decode_attention)
@@ -266,36 +335,49 @@ def _prefill_mask(mask):
     return (m | ~m.any(-1, keepdim=True))[:, None]
 
 
-# ----------------------------------------------------------------------------- the row cache
+# ----------------------------------------------------------------------------- the page pool
 
-@dataclass
 class _Writes:
-    """Where the forward in progress puts its K/V, read by every layer of the row cache: a model's
-    forward cannot hand its cache arguments, so generate sets this before each forward
-    (`prefill`, `decode`) and the layers' `update` reads it."""
-    columns: torch.Tensor         # (L,) arange over a row's columns
-    head_rows: torch.Tensor       # (S, H): row r's head h at r * H + h of a layer's (S * H, L, D) view
-    is_prefill: bool = False
-    n: int = 0                    # decode: the step runs the first n cache rows
-    width: int = 0                # decode: the columns its widest row group attends
-    at: torch.Tensor = None       # decode: (n * H,) where row r's head h writes in the (S * H * L, D) view
-    dst: torch.Tensor = None      # prefill: (N, 1) the cache row of each newcomer
-    src: torch.Tensor = None      # prefill: (N,) its row in the prefill batch
-    cols: torch.Tensor = None     # prefill: (N, P) the column each padded position goes to
+    """Where the forward in progress puts its K/V and what a decode step attends, read by every
+    layer: a model's forward cannot hand its cache arguments, so generate sets this before each
+    forward (`prefill`, `decode`) and the layers (and paged_attention) read it. A decode step's
+    numbers come from `meta`, one device buffer the host fills before the step (one transfer):
+    [page, offset] of each row's write, then the attended pages, their rows and their valid
+    columns; `decode` makes the views every layer reads, eagerly, before the step runs."""
 
-    def prefill(self, dst, src, cols) -> None:
-        self.is_prefill, self.width, self.dst, self.src, self.cols = True, 0, dst, src, cols
+    def __init__(self, heads: int, page: int, pages: int, capacity: int, rows: int, device):
+        self.heads, self.page, self.pool_pages = heads, page, pages
+        self.meta = torch.zeros(2 * rows + 3 * capacity, dtype=torch.long, device=device)
+        self.head = torch.arange(heads, device=device)
+        self.columns = torch.arange(page, device=device)
+        self.is_prefill = False
+        self.at = self.pages = self.rows = self.rows_q = self.mask = None
+        self.table = self.row_mask = None   # ATTEND "rows": (n, P) pages, (n, 1, 1, P x PAGE) columns
 
-    def decode(self, n: int, width: int, column) -> None:
-        """`column` (n,): each row's column, its position: the same write for every layer, so
-        its flat index is computed once a step (one index_copy_ a layer, not an indexed put)."""
-        L = len(self.columns)
-        self.is_prefill, self.n, self.width = False, n, width
-        self.at = (self.head_rows[:n] * L + column[:, None]).reshape(-1)
+    def slots(self, page, offset):
+        """Flat indices (..., H) into a layer's (H * pages * PAGE, D) view: head, page, offset."""
+        return (self.head * self.pool_pages + page[..., None]) * self.page + offset[..., None]
+
+    def prefill(self, src, page, offset) -> None:
+        """Newcomer k (a row of the prefill batch, src[k]) writes its P positions to `page`,
+        `offset` (N, P) (pads to the trash page)."""
+        self.is_prefill, self.src = True, src
+        self.at = self.slots(page, offset)                              # (N, P, H)
+
+    def decode(self, n: int, C: int) -> None:
+        """Views of meta for a step of n rows attending C pages, and what every layer shares."""
+        m = self.meta
+        self.is_prefill = False
+        self.at = self.slots(m[:n], m[n:2 * n]).reshape(-1)            # (n * H,) each row's write, per head
+        self.pages, self.rows = m[2 * n:2 * n + C], m[2 * n + C:2 * n + 2 * C]      # (C,), (C,) rows in [0, n]
+        self.rows_q = self.rows.clamp(max=n - 1)                        # a pad page (row n) reads any query
+        self.mask = (self.columns < m[2 * n + 2 * C:2 * n + 3 * C, None])[:, None, None]   # (C, 1, 1, PAGE)
 
 
-class _RowLayer(DynamicLayer):
-    """One layer's K and V for S rows of L columns, (S, H, L, D) each, written in place."""
+class _PagedLayer(DynamicLayer):
+    """One layer's K and V pools, (H, pages, PAGE, D) each, written in place: head-major, so a
+    row's gathered pages are, for each head, its columns in order and contiguous (what SDPA reads
+    fastest; row_attention views them without a copy)."""
 
     def __init__(self, keys, values, writes: _Writes):
         super().__init__()
@@ -303,36 +385,37 @@ class _RowLayer(DynamicLayer):
         self.is_initialized = True
 
     def get_seq_length(self, *args, **kwargs) -> int:
-        return self.writes.width
+        return 0   # positions are always passed; nothing reads a length from the cache
 
     def update(self, key_states, value_states, *args, **kwargs):
-        w = self.writes
-        if w.is_prefill:  # (U, H, P, D), left-padded: newcomer k's prompt into columns [0, len) of its row
-            self.keys[w.dst, :, w.cols] = key_states[w.src].transpose(1, 2)       # (N, P, H, D)
-            self.values[w.dst, :, w.cols] = value_states[w.src].transpose(1, 2)
+        w, D = self.writes, key_states.shape[-1]
+        if w.is_prefill:   # (U, H, P, D): newcomer k's positions to its pages; attention over the prompt itself
+            for pool, new in ((self.keys, key_states), (self.values, value_states)):
+                pool.view(-1, D).index_copy_(0, w.at.reshape(-1), new[w.src].transpose(1, 2).reshape(-1, D))
             return key_states, value_states
-        n, D = w.n, key_states.shape[-1]   # (n, H, 1, D): each row at its own column
-        self.keys.view(-1, D).index_copy_(0, w.at, key_states.reshape(-1, D))
-        self.values.view(-1, D).index_copy_(0, w.at, value_states.reshape(-1, D))
-        return self.keys[:n, :, :w.width], self.values[:n, :, :w.width]         # (n, H, W, D)
+        return key_states, value_states   # a decode step's: written by decode_attention (_Slots.attend)
+
+    def write(self, key_states, value_states) -> None:
+        """(n, H, 1, D): each row's token at its own page and offset."""
+        at, D = self.writes.at, key_states.shape[-1]
+        self.keys.view(-1, D).index_copy_(0, at, key_states.reshape(-1, D))
+        self.values.view(-1, D).index_copy_(0, at, value_states.reshape(-1, D))
 
 
-def _row_cache(model, rows: int, length: int):
-    """A cache of `rows` x `length` columns per layer, zero-filled: masked columns are still
-    multiplied by a zero weight in attention, and uninitialised memory may hold NaN
-    (0 x NaN = NaN), so every column must hold a finite number. Returns (cache, writes)."""
+def _page_cache(model, pages: int, page: int, writes: _Writes):
+    """A cache of `pages` pages of `page` tokens per layer, zero-filled: a page's columns past its
+    row's are masked, but a row's fresh page holds what its last owner wrote, and every column
+    must hold a finite number (0 x NaN = NaN)."""
     cfg, dev = model.config, next(model.parameters()).device
     heads, head_dim = _kv_heads_and_dim(cfg)
     cache = new_cache(model)
     if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", [])):
         raise NotImplementedError("generate supports full-attention models only (no sliding-window layers)")
-    writes = _Writes(columns=torch.arange(length, device=dev),
-                     head_rows=torch.arange(rows * heads, device=dev).view(rows, heads))
-    shape = (rows, heads, length, head_dim)
-    cache.layers = [_RowLayer(torch.zeros(shape, dtype=model.dtype, device=dev),
-                              torch.zeros(shape, dtype=model.dtype, device=dev), writes)
+    shape = (heads, pages, page, head_dim)
+    cache.layers = [_PagedLayer(torch.zeros(shape, dtype=model.dtype, device=dev),
+                                torch.zeros(shape, dtype=model.dtype, device=dev), writes)
                     for _ in range(cfg.num_hidden_layers)]
-    return cache, writes
+    return cache
 
 
 def cache_bytes(cache) -> int:
@@ -350,35 +433,70 @@ def _to(array, device):
     return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
 
 
-def _copy_rows(cache, dst, src, width: int) -> None:
-    """Copy the first `width` columns of cache rows `src` into rows `dst` (host index arrays;
-    gathered before written, so a row may be both a source and a destination)."""
-    dev = cache.layers[0].keys.device
-    d, s = _to(np.asarray(dst), dev), _to(np.asarray(src), dev)
-    for layer in cache.layers:
-        layer.keys[d, :, :width] = layer.keys[s, :, :width]        # (N, H, width, D)
-        layer.values[d, :, :width] = layer.values[s, :, :width]
+class _Pages:
+    """The host's books of the pool: free pages, each page's references (a row, or a prompt kept
+    for later copies) and each slot's block table. Page 0 is the trash page: never given out,
+    written by what is discarded (free slots, prompt pads)."""
+
+    def __init__(self, total: int, page: int, slots: int, most: int):
+        self.page = page
+        self.free = list(range(total - 1, 0, -1))                 # pop() gives the lowest page first
+        self.ref = np.zeros(total, dtype=np.int64)
+        self.table = np.zeros((slots, most), dtype=np.int64)      # (S, pages of the longest row) block tables
+        self.held = np.zeros(slots, dtype=np.int64)               # (S,) pages in each slot's table
+
+    def take(self, slot: int, k: int) -> None:
+        """k free pages at the end of the slot's table."""
+        for _ in range(k):
+            p = self.free.pop()
+            self.ref[p] = 1
+            self.table[slot, self.held[slot]] = p
+            self.held[slot] += 1
+
+    def share(self, slot: int, pages) -> None:
+        """Pages another holder has (a prompt's full pages) at the start of the slot's table."""
+        self.ref[pages] += 1
+        self.table[slot, :len(pages)] = pages
+        self.held[slot] = len(pages)
+
+    def drop(self, pages) -> None:
+        """One reference less to each page; a page nobody holds is free."""
+        for p in pages:
+            self.ref[p] -= 1
+            if self.ref[p] == 0:
+                self.free.append(int(p))
+
+    def release(self, slot: int) -> None:
+        self.drop(self.table[slot, :self.held[slot]])
+        self.held[slot] = 0
+
+    def short(self, slots, column) -> np.ndarray:
+        """The slots whose table ends before `column` (their write this step): each needs a page."""
+        return slots[self.held[slots] * self.page <= column]
+
+    def permute(self, perm) -> None:
+        self.table, self.held = self.table[perm], self.held[perm]
 
 
 # ----------------------------------------------------------------------------- the rows in flight
 
 @dataclass
 class _HostRows:
-    """The host's counters of the S cache rows, (S,) int64 each: they decide the schedule (which
-    rows are free, how wide each is) without reading the device."""
-    out: np.ndarray      # the output row (prompt index) the cache row fills; Rows.discard when free
+    """The host's counters of the S row slots, (S,) int64 each: they decide the schedule (which
+    slots are free, which pages each row attends and writes) without reading the device."""
+    out: np.ndarray      # the output row (prompt index) the slot fills; Rows.discard when free
     made: np.ndarray     # tokens sampled so far
     pos: np.ndarray      # column (= position) of the last token written
     limit: np.ndarray    # the row's max_new_tokens
     busy: np.ndarray     # 1 while the host counts the row as running
-    holds: np.ndarray    # the distinct prompt whose K/V columns [0, len) the row holds, -1 none
+    seq: np.ndarray      # when the row was admitted (a count of admissions): preemption takes the latest
 
-    FIELDS = ("out", "made", "pos", "limit", "busy", "holds")
+    FIELDS = ("out", "made", "pos", "limit", "busy", "seq")
 
 
 @dataclass
 class _DeviceRows:
-    """The device's counters of the same rows, which it advances itself after each sample; each
+    """The device's counters of the same slots, which it advances itself after each sample; each
     a buffer written in place, since a CUDA graph reads and writes them."""
     out: torch.Tensor        # (S,) long, as the host's
     made: torch.Tensor       # (S,) long
@@ -386,33 +504,36 @@ class _DeviceRows:
     limit: torch.Tensor      # (S,) long
     live: torch.Tensor       # (S,) bool: neither stopped nor at its limit
     tok: torch.Tensor        # (S,) long: the token the row feeds next
-    logits: torch.Tensor = None   # (S, V) fp32: each row's next-token logits
+    logits: torch.Tensor     # (S, V) fp32: each row's next-token logits
 
     def buffers(self) -> list:
-        return [self.out, self.made, self.pos, self.limit, self.live, self.tok] + \
-            ([self.logits] if self.logits is not None else [])
+        return [self.out, self.made, self.pos, self.limit, self.live, self.tok, self.logits]
 
 
 @dataclass
 class _Rows:
-    """The S cache rows of a generate call, as the host and the device each count them. They
-    agree, except that the host learns of a stop id up to 2 x STOP_EVERY steps late (_StopCheck)
-    and counts the row as running until then (its width is only overestimated). Rows in flight
-    sit first, widest first (_arrange), so a row group holds rows of about one width; every busy
-    row grows by one column a step, so the order holds between refills."""
+    """The S row slots of a generate call, as the host and the device each count them, and the
+    pages they hold. They agree, except that the host learns of a stop id up to 2 x STOP_EVERY
+    steps late (_StopCheck) and counts the row as running until then (it only holds its pages a
+    little longer). Rows in flight sit in the first slots."""
     host: _HostRows
     dev: _DeviceRows
+    pages: _Pages
     discard: int          # the output row that rows which have ended write to (B, one past the last)
     n: int = 0            # rows a decode step runs: the first n, n a row bucket
+    most: int = 0         # the most rows in flight at once
 
     @classmethod
-    def empty(cls, S: int, discard: int, device):
+    def empty(cls, S: int, discard: int, pages: _Pages, slots: "_Slots"):
+        """S rows; the tokens fed, their positions and the logits are the first S of `slots`' (what a
+        captured step reads and writes)."""
+        device = slots.tok.device
         zeros = lambda: np.zeros(S, dtype=np.int64)   # noqa: E731
-        host = _HostRows(np.full(S, discard), zeros(), zeros(), zeros(), zeros(), np.full(S, -1))
+        host = _HostRows(np.full(S, discard), zeros(), zeros(), zeros(), zeros(), zeros())
         t = lambda: torch.zeros(S, dtype=torch.long, device=device)   # noqa: E731
-        dev = _DeviceRows(torch.full((S,), discard, device=device), t(), t(), t(),
-                          torch.zeros(S, dtype=torch.bool, device=device), t())
-        return cls(host, dev, discard)
+        dev = _DeviceRows(torch.full((S,), discard, device=device), t(), slots.pos[:S].zero_(), t(),
+                          torch.zeros(S, dtype=torch.bool, device=device), slots.tok[:S].zero_(), slots.logits[:S])
+        return cls(host, dev, pages, discard)
 
 
 @dataclass
@@ -423,7 +544,8 @@ class _Job:
     distinct: list        # (B,) index of each prompt's distinct prompt (equal for identical prompts when shared)
     queue: deque          # prompt indices not yet admitted, identical prompts adjacent
     waiting: Counter      # distinct prompt -> copies still in the queue
-    first: dict           # distinct prompt -> (V,) logits of its first token, while copies wait
+    kept: dict            # distinct prompt -> (its prompt's pages, (V,) its first logits), while copies wait
+    resumed: dict         # prompt index -> the tokens it had sampled when it was preempted
     keys: torch.Tensor    # (B+1,) int64 key of each prompt's draws; the discard row's is 0
     tokens: torch.Tensor  # (B+1, T+1) ids; row B and column T take the writes of rows that ended
     logps: torch.Tensor   # (B+1, T+1) fp32
@@ -439,7 +561,8 @@ def _new_job(prompts, limits, pad_id, share_prefix, keys, device) -> _Job:
     B, T = len(prompts), int(limits.max())
     # identical prompts queue side by side (whether shared or not, so both run the same schedule)
     queue = deque(sorted(range(B), key=lambda i: (same[i], i)))
-    return _Job(prompts=prompts, limits=limits, distinct=distinct, queue=queue, waiting=Counter(distinct), first={},
+    return _Job(prompts=prompts, limits=limits, distinct=distinct, queue=queue, waiting=Counter(distinct), kept={},
+                resumed={},
                 keys=torch.cat([keys, keys.new_zeros(1)]),
                 tokens=torch.full((B + 1, T + 1), pad_id, dtype=torch.long, device=device),
                 logps=torch.zeros((B + 1, T + 1), dtype=torch.float32, device=device),
@@ -454,115 +577,127 @@ def _row_bucket(n: int, cap: int) -> int:
     return min(1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8, cap)
 
 
-def _groups(st: _Rows, length: int, per_column: int, headroom: int = 0) -> tuple:
-    """((start, end, w), ...): the step's n rows cut into row groups, each attending its widest
-    busy row's columns plus `headroom`, rounded up to WIDTH_BUCKET (at most `length`). Rows sit
-    widest first and are taken in runs of GROUP_ROWS, or more where n would make more than
-    ATTN_GROUPS runs; the runs are then joined into the groups that cost least, one attention
-    call (ATTN_CALL, in K/V elements) a group plus its rows x its width x `per_column` elements
-    (_cheapest). So rows of about one width share a call, and a step costs about its rows' own
-    widths plus a call per group."""
-    n, kind = st.n, "cuda" if st.dev.out.device.type == "cuda" else "cpu"
-    width = (st.host.pos[:n] + 1) * st.host.busy[:n]      # (n,) host counters: no sync
-    run, bucket = max(-(-n // ATTN_GROUPS), GROUP_ROWS[kind]), WIDTH_BUCKET[kind]
-    starts = np.arange(0, n, run)
-    need = np.maximum.reduceat(width, starts) + headroom                    # (runs,) columns each run needs
-    widest = np.minimum(length, np.maximum(1, -(-need // bucket)) * bucket)
-    return _cheapest(starts.tolist(), np.minimum(starts + run, n).tolist(), widest.tolist(),
-                     ATTN_CALL[kind] / per_column)
-
-
-def _cost(groups: tuple, call: float) -> float:
-    """What a step attending `groups` costs, in row-columns: `call` a group plus rows x width."""
-    return sum(call + (b - a) * w for a, b, w in groups)
-
-
-def _cheapest(starts: list, ends: list, widths: list, call: float) -> tuple:
-    """The partition of runs [starts[i], ends[i]) of widths[i] into consecutive groups that
-    minimises sum over groups of (call + rows x the group's widest run), by dynamic programming
-    over the k <= ATTN_GROUPS runs (k^2 / 2 steps). `call`: one more group, in row-columns."""
-    k = len(starts)
-    best, cut = [0.0] + [math.inf] * k, [0] * (k + 1)
-    for j in range(1, k + 1):            # best[j]: the cheapest cut of the first j runs
-        w = 0
-        for i in range(j - 1, -1, -1):   # the last group holds runs i..j-1
-            w = max(w, widths[i])
-            group = call + (ends[j - 1] - starts[i]) * w
-            if group >= best[j]:         # a longer last group only costs more: stop
-                break
-            if best[i] + group < best[j]:
-                best[j], cut[j] = best[i] + group, i
-    out, j = [], k
-    while j:
-        i = cut[j]
-        out.append((starts[i], ends[j - 1], max(widths[i:j])))
-        j = i
-    return tuple(reversed(out))
-
-
 # ----------------------------------------------------------------------------- the schedule
 
-def _arrange(cache, st: _Rows, lens: np.ndarray) -> np.ndarray:
-    """Reorder the cache rows: the rows in flight and the newcomers (prompt lengths `lens`) by
-    width, widest first, then the free rows (those holding no prompt first, so newcomers take
-    them). Return the cache row each newcomer goes to; st.n becomes the bucket of the busy rows."""
+def _compact(st: _Rows, newcomers: int) -> np.ndarray:
+    """Move the rows in flight to the first slots (their counters and block tables; the K/V stays
+    in its pages) and return the `newcomers` slots that follow them; st.n becomes the bucket of
+    them all."""
     h, S = st.host, len(st.host.busy)
     busy, free = np.flatnonzero(h.busy), np.flatnonzero(h.busy == 0)
-    free = free[np.argsort(h.holds[free] >= 0, kind="stable")]
-    order = np.argsort(-np.concatenate([h.pos[busy] + 1, lens]), kind="stable")  # ties: rows in flight first
-    perm, dest, free_rows = np.empty(S, dtype=np.int64), np.empty(len(lens), dtype=np.int64), iter(free)
-    for j, e in enumerate(order):
-        if e < len(busy):
-            perm[j] = busy[e]
-        else:
-            perm[j] = next(free_rows)
-            dest[e - len(busy)] = j
-    perm[len(order):] = list(free_rows)
-    _move(cache, st, perm)
-    st.n = _row_bucket(len(order), S)
-    return dest
+    perm = np.concatenate([busy, free])
+    if (perm != np.arange(S)).any():
+        p = _to(perm, st.dev.out.device)
+        for t in st.dev.buffers():
+            t.copy_(t[p])                # in place: a CUDA graph holds these buffers
+        for name in _HostRows.FIELDS:
+            setattr(h, name, getattr(h, name)[perm])
+        st.pages.permute(perm)
+    st.n = _row_bucket(len(busy) + newcomers, S)
+    return np.arange(len(busy), len(busy) + newcomers)
 
 
-def _move(cache, st: _Rows, perm: np.ndarray) -> None:
-    """Cache row perm[j] becomes row j: the K/V of the rows that hold something (in flight, or a
-    prompt kept for a later copy) up to the widest of them, and every counter on both sides."""
-    if (perm == np.arange(len(perm))).all():
-        return
-    h = st.host
-    keep = (perm != np.arange(len(perm))) & ((h.busy[perm] == 1) | (h.holds[perm] >= 0))
-    moved = np.flatnonzero(keep)
-    if len(moved):
-        _copy_rows(cache, moved, perm[moved], int(h.pos[perm[moved]].max()) + 1)
-    p = _to(perm, st.dev.out.device)
-    for t in st.dev.buffers():
-        t.copy_(t[p])                # in place: a CUDA graph holds these buffers
-    for name in _HostRows.FIELDS:
-        setattr(h, name, getattr(h, name)[perm])
+def _prompt(job: _Job, i: int) -> list:
+    """Prompt i's ids as a prefill takes them: a preempted row's prompt and what it had sampled."""
+    return job.prompts[i] + job.resumed[i] if i in job.resumed else job.prompts[i]
+
+
+def _distinct(job: _Job, i: int):
+    """Prompt i's distinct prompt; a preempted row's prompt and tokens are its own."""
+    return ("resumed", i) if i in job.resumed else job.distinct[i]
+
+
+def _admissible(st: _Rows, job: _Job) -> list:
+    """The waiting prompts that can start now, in queue order: while a slot is free and the free
+    pages hold the next one's prompt (a copy of a kept or co-admitted prompt shares its full
+    pages) and leave one page for every row in flight and admitted (a step takes at most one a
+    row, so admitting does not at once preempt). Stops at the first that does not fit, so
+    prompts start in queue order."""
+    page, slots = st.pages.page, int((st.host.busy == 0).sum())
+    spare, out, fresh, rows = len(st.pages.free), [], set(), int(st.host.busy.sum())
+    for i in job.queue:
+        if len(out) == slots:
+            break
+        q, P = _distinct(job, i), len(_prompt(job, i))
+        need = pages_for(P, page) - (P // page if q in job.kept or q in fresh else 0)
+        growth = rows + len(out) + 1 if rows + len(out) else 0      # a row alone fits the pool by its size
+        if need + growth > spare:
+            break
+        spare -= need
+        fresh.add(q)
+        out.append(i)
+    return out
 
 
 def _refill(model, cache, writes, st: _Rows, job: _Job, counts) -> bool:
-    """Give free rows to the next waiting prompts, once REFILL_AT of the rows are free (or every
-    waiting prompt fits): sort them in among the rows in flight, put their prompts' K/V in place
-    and their first logits in st.dev.logits, and set their counters on both sides."""
-    h, d = st.host, st.dev
-    free = int((h.busy == 0).sum())
-    if not job.queue or free < min(math.ceil(REFILL_AT * len(h.busy)), len(job.queue)):
+    """Give free slots to the next waiting prompts once REFILL_AT of the rows in flight could
+    start (or every waiting prompt can): put their prompts' K/V in pages and their first logits
+    in st.dev.logits, and set their counters on both sides (a resumed row goes on from the tokens
+    it had sampled)."""
+    h, d, pg = st.host, st.dev, st.pages
+    ready = _admissible(st, job)
+    busy = int(h.busy.sum())
+    if not busy and not ready and job.queue:     # nothing runs and the next does not fit: let kept prompts go
+        _let_go(job, pg, counts)
+        ready = _admissible(st, job)
+        if not ready:
+            raise RuntimeError("engine: the next prompt fits no page pool (a bug: the pool holds the longest row)")
+    if not ready or len(ready) < min(math.ceil(REFILL_AT * (busy + len(ready))), len(job.queue)):
         return False
-    admitted = np.array([job.queue.popleft() for _ in range(min(free, len(job.queue)))])   # prompt indices
-    lens = np.array([len(job.prompts[i]) for i in admitted])
-    dest = _arrange(cache, st, lens)                                           # their cache rows
+    admitted = np.array([job.queue.popleft() for _ in ready])                 # prompt indices
+    lens = np.array([len(_prompt(job, i)) for i in admitted])
+    made = np.array([len(job.resumed.get(i, ())) for i in admitted])          # tokens already sampled
+    dest = _compact(st, len(admitted))                                         # their slots
     logits = _first_logits(model, cache, writes, st, job, dest, admitted, counts)   # (N, V)
-    if d.logits is None:
-        d.logits = logits.new_zeros((len(h.busy), logits.shape[1]))           # (S, V)
     rows, limits = _to(dest, d.out.device), job.limits[admitted]
     d.logits[rows] = logits
-    for t, v in ((d.out, admitted), (d.made, np.zeros_like(admitted)), (d.pos, lens - 1), (d.limit, limits)):
+    for t, v in ((d.out, admitted), (d.made, made), (d.pos, lens - 1), (d.limit, limits)):
         t[rows] = _to(v, t.device)
     d.live[rows] = True
     # pos: the prompt's last column
-    h.out[dest], h.made[dest], h.pos[dest], h.limit[dest] = admitted, 0, lens - 1, limits
-    h.busy[dest], h.holds[dest] = 1, np.asarray(job.distinct)[admitted]
+    h.out[dest], h.made[dest], h.pos[dest], h.limit[dest], h.busy[dest] = admitted, made, lens - 1, limits, 1
+    h.seq[dest] = counts["admitted"] + np.arange(len(admitted))
+    counts["admitted"] += len(admitted)
+    st.most = max(st.most, int(h.busy.sum()))
     return True
+
+
+def _make_room(st: _Rows, job: _Job, counts) -> None:
+    """Before a step: while the rows whose write needs a new page outnumber the free pages, let
+    the kept prompts go (a prefill makes them again), then preempt the latest admitted row
+    (_preempt); then give each its page. A row alone always fits (the pool holds the longest)."""
+    h, pg = st.host, st.pages
+    while True:
+        busy = np.flatnonzero(h.busy[:st.n])
+        short = pg.short(busy, h.pos[busy])
+        if len(short) <= len(pg.free):
+            break
+        if job.kept:
+            _let_go(job, pg, counts)
+            continue
+        assert len(busy) > 1, "engine: a row alone outgrew the pool (a bug: the pool holds the longest row)"
+        _preempt(st, job, int(busy[np.argmax(h.seq[busy])]), counts)
+    for slot in short:
+        pg.take(int(slot), 1)
+
+
+def _preempt(st: _Rows, job: _Job, slot: int, counts) -> None:
+    """Free a running row's slot and pages, and put it first in the queue with the tokens it has
+    sampled: readmitted, it prefills its prompt and them and goes on drawing with its own keys at
+    its own positions, so its samples stay what they would have been (to float rounding of the
+    logits). One read of the device (the row may have ended there unseen: then it just ends)."""
+    h, d = st.host, st.dev
+    i = int(h.out[slot])
+    state = torch.cat([torch.stack([d.live[slot].long(), d.made[slot]]), job.tokens[i]]).cpu()   # (2 + T + 1,)
+    live, made = bool(state[0]), int(state[1])
+    if live:
+        job.resumed[i] = state[2:2 + made].tolist()
+        job.waiting[("resumed", i)] = 1
+        job.queue.appendleft(i)
+        counts["preempted"] += 1
+    st.pages.release(slot)
+    h.out[slot], h.busy[slot] = st.discard, 0
+    d.live[slot], d.out[slot] = False, st.discard
 
 
 def _schedule(model, cache, writes, st: _Rows, job: _Job, counts) -> None:
@@ -572,19 +707,18 @@ def _schedule(model, cache, writes, st: _Rows, job: _Job, counts) -> None:
         return
     busy = int(st.host.busy.sum())
     if not job.queue and busy and _row_bucket(busy, len(st.host.busy)) < st.n:
-        _arrange(cache, st, np.zeros(0, dtype=np.int64))
+        _compact(st, 0)
 
 
-def _prefill(model, cache, writes, distinct: list, dst: list, src: list, pad_id: int):
+def _prefill(model, cache, writes, distinct: list, dst: list, src: list, pad_id: int, pages: _Pages):
     """Run the U `distinct` prompts through the model in the chunks of _prefill_chunks (longest
-    first, each padded to its longest); the K/V of distinct[src[k]] goes into columns [0, len)
-    of cache row dst[k] (its pad positions to the last column, which no live row attends).
-    Where PREFILL_CAUSAL (CUDA), a chunk is right-padded and runs the causal kernel with no
-    mask, its logits read at each row's own last position (_last_logits); elsewhere it is
-    left-padded with an explicit (U', 1, P, P) mask. Return the (U, V) fp32 logits of each
-    prompt's first new token."""
-    dev, L = writes.columns.device, len(writes.columns)
-    kind = "cuda" if dev.type == "cuda" else "cpu"
+    first, each padded to its longest); the K/V of distinct[src[k]] goes into the pages of slot
+    dst[k] (which hold its prompt; its pad positions to the trash page). Where PREFILL_CAUSAL
+    (CUDA), a chunk is right-padded and runs the causal kernel with no mask, its logits read at
+    each row's own last position (_last_logits); elsewhere it is left-padded with an explicit
+    (U', 1, P, P) mask. Return the (U, V) fp32 logits of each prompt's first new token."""
+    dev, page = writes.head.device, pages.page
+    kind = _kind(dev)
     chunks = _prefill_chunks([len(p) for p in distinct], kind)
     dst, src = np.asarray(dst), np.asarray(src)
     logits = [None] * len(distinct)
@@ -594,8 +728,10 @@ def _prefill(model, cache, writes, distinct: list, dst: list, src: list, pad_id:
         lens = np.array([len(distinct[u]) for u in src[sel]])
         pad = np.zeros_like(lens) if PREFILL_CAUSAL[kind] else P - lens                # (N,) pads before the prompt
         cols = np.arange(P)[None, :] - pad[:, None]                                 # (N, P): position -> column
-        writes.prefill(_to(dst[sel][:, None], dev), _to(np.array([where[u] for u in src[sel]]), dev),
-                       _to(np.where((cols < 0) | (cols >= lens[:, None]), L - 1, cols), dev))
+        real = (cols >= 0) & (cols < lens[:, None])
+        c = np.where(real, cols, 0)
+        at = np.where(real, pages.table[dst[sel][:, None], c // page], 0)           # (N, P) page, trash for pads
+        writes.prefill(_to(np.array([where[u] for u in src[sel]]), dev), _to(at, dev), _to(c % page, dev))
         if PREFILL_CAUSAL[kind]:
             first = _last_logits(model, cache, rows, pad_id, dev)                   # (U', V)
         else:
@@ -646,42 +782,92 @@ def _prefill_chunks(lens: list, kind: str) -> list:
     return chunks
 
 
+def _cheapest(starts: list, ends: list, widths: list, call: float) -> tuple:
+    """The partition of runs [starts[i], ends[i]) of widths[i] into consecutive groups that
+    minimises sum over groups of (call + rows x the group's widest run), by dynamic programming
+    over the k <= ATTN_GROUPS runs (k^2 / 2 steps). `call`: one more group, in row-columns."""
+    k = len(starts)
+    best, cut = [0.0] + [math.inf] * k, [0] * (k + 1)
+    for j in range(1, k + 1):            # best[j]: the cheapest cut of the first j runs
+        w = 0
+        for i in range(j - 1, -1, -1):   # the last group holds runs i..j-1
+            w = max(w, widths[i])
+            group = call + (ends[j - 1] - starts[i]) * w
+            if group >= best[j]:         # a longer last group only costs more: stop
+                break
+            if best[i] + group < best[j]:
+                best[j], cut[j] = best[i] + group, i
+    out, j = [], k
+    while j:
+        i = cut[j]
+        out.append((starts[i], ends[j - 1], max(widths[i:j])))
+        j = i
+    return tuple(reversed(out))
+
+
 def _first_logits(model, cache, writes, st: _Rows, job: _Job, dest, admitted, counts):
-    """(N, V) logits of each newcomer's first token, its prompt's K/V put in columns [0, len) of
-    its cache row dest[k]: copied from a row that holds the same prompt (whose first logits were
-    kept while copies waited), else prefilled, each distinct prompt once."""
-    want = [job.distinct[i] for i in admitted]
-    held = {q: r for r, q in enumerate(st.host.holds.tolist()) if q >= 0}   # distinct prompt -> a row with its K/V
-    copy = [k for k, q in enumerate(want) if q in held and q in job.first]
-    out = [None] * len(admitted)
-    if copy:  # before the prefill, which may overwrite a holder
-        _copy_rows(cache, [dest[k] for k in copy], [held[want[k]] for k in copy],
-                   max(len(job.prompts[admitted[k]]) for k in copy))
-        for k in copy:
-            out[k] = job.first[want[k]]
-    fresh = [k for k in range(len(admitted)) if out[k] is None]
+    """(N, V) logits of each newcomer's first token, its prompt's K/V in the first pages of its
+    slot dest[k]: the first newcomer of a prompt that is not kept is prefilled (each distinct
+    prompt once) into pages of its own; every other one shares the full pages of the prompt's
+    holder (kept, or prefilled in this batch) and copies its partial last page."""
+    pg, want = st.pages, [_distinct(job, i) for i in admitted]
+    lens = [len(_prompt(job, i)) for i in admitted]
+    out, holder = [None] * len(admitted), {}          # distinct prompt -> (its pages, its logits)
+    for q, (held, first) in job.kept.items():
+        holder[q] = (held, first)
+    fresh = {}
+    for k, q in enumerate(want):
+        if q not in holder and q not in fresh:
+            fresh[q] = k
     if fresh:
-        u = {q: i for i, q in enumerate(dict.fromkeys(want[k] for k in fresh))}   # distinct prompt -> prefill row
-        prompt = [None] * len(u)
-        for k in fresh:
-            prompt[u[want[k]]] = job.prompts[admitted[k]]
-        first = _prefill(model, cache, writes, prompt, [dest[k] for k in fresh], [u[want[k]] for k in fresh],
-                         job.pad_id)                                             # (U, V)
-        counts["prefill_rows"] += len(u)
-        for k in fresh:
-            out[k] = first[u[want[k]]]
-    _keep_first_logits(job, want, out)
-    return torch.stack(out)                                                       # (N, V)
+        ks = list(fresh.values())
+        for k in ks:
+            pg.take(dest[k], pages_for(lens[k], pg.page))
+        first = _prefill(model, cache, writes, [_prompt(job, admitted[k]) for k in ks], [dest[k] for k in ks],
+                         list(range(len(ks))), job.pad_id, pg)                     # (U, V)
+        counts["prefill_rows"] += len(ks)
+        for i, (q, k) in enumerate(fresh.items()):
+            out[k] = first[i]
+            holder[q] = (pg.table[dest[k], :pages_for(lens[k], pg.page)].copy(), first[i])
+    copies = [k for k in range(len(admitted)) if out[k] is None]
+    src, new = [], []
+    for k in copies:
+        held, out[k] = holder[want[k]]
+        full = lens[k] // pg.page
+        pg.share(dest[k], held[:full])
+        if lens[k] % pg.page:            # the partial last page: the copy writes its own tokens there
+            pg.take(dest[k], 1)
+            src.append(held[full])
+            new.append(pg.table[dest[k], full])
+    if src:
+        s, d = _to(np.array(src), writes.head.device), _to(np.array(new), writes.head.device)
+        for layer in cache.layers:
+            layer.keys[:, d] = layer.keys[:, s]                             # (H, N', PAGE, D)
+            layer.values[:, d] = layer.values[:, s]
+    _keep(job, pg, want, holder)
+    return torch.stack(out)                                                  # (N, V)
 
 
-def _keep_first_logits(job: _Job, want: list, out: list) -> None:
-    """Keep a prompt's first logits while copies of it still wait in the queue."""
+def _keep(job: _Job, pg: _Pages, want: list, holder: dict) -> None:
+    """Keep a prompt's pages (a reference each) and first logits while copies of it still wait;
+    let them go once none does."""
     for q, c in Counter(want).items():
         job.waiting[q] -= c
         if job.waiting[q] == 0:
-            job.first.pop(q, None)
-        elif q not in job.first:
-            job.first[q] = out[want.index(q)].clone()
+            if q in job.kept:
+                pg.drop(job.kept.pop(q)[0])
+        elif q not in job.kept:
+            held, first = holder[q]
+            pg.ref[held] += 1
+            job.kept[q] = (held, first.clone())
+
+
+def _let_go(job: _Job, pg: _Pages, counts) -> None:
+    """Drop every kept prompt (its next copy will be prefilled again, counted in let_go)."""
+    for held, _ in job.kept.values():
+        pg.drop(held)
+    counts["let_go"] += len(job.kept)
+    job.kept.clear()
 
 
 # ----------------------------------------------------------------------------- the decode step
@@ -742,76 +928,150 @@ class _StopCheck:
 def _retire(st: _Rows, ended) -> None:
     """The host's side of a step: count a token for every busy row (as the device did for the
     live ones), then free the rows that reached their limit (the host's own count) or that the
-    stop check says ended (`ended`, output rows). A free row keeps its prompt's K/V, columns
-    [0, len), for a later copy of the same prompt."""
+    stop check says ended (`ended`, output rows): their pages go back to the pool now."""
     h = st.host
     h.made += h.busy
     h.pos += h.busy
     done = (h.busy == 1) & (h.made >= h.limit)
     if ended is not None:
         done |= (h.busy == 1) & np.isin(h.out, ended)
+    for slot in np.flatnonzero(done):
+        st.pages.release(int(slot))
     h.out[done], h.busy[done] = st.discard, 0
 
 
+class _Slots:
+    """What the decode steps of one model's weights on one device read and write at fixed
+    addresses, kept across generate calls with their CUDA graphs (`graphs`, one a row bucket):
+    the token each row feeds, its position, its next-token logits (S, V) fp32 and the 4-D mask
+    passed (all True: paged_attention masks by pages). `cache` and `writes` are the call's now,
+    which the eager attention between the graphs' pieces looks up (`attend`)."""
+
+    def __init__(self, S: int, vocab: int, device, graphs: bool):
+        self.tok = torch.zeros(S, dtype=torch.long, device=device)
+        self.pos = torch.zeros(S, dtype=torch.long, device=device)
+        self.logits = torch.zeros((S, vocab), dtype=torch.float32, device=device)
+        self.ones = torch.ones((S, 1, 1, 1), dtype=torch.bool, device=device)
+        self.graphs = cudagraphs.StepGraphs(device) if graphs else None
+        self.cache = self.writes = None
+
+    def attend(self, i: int, query, key_states, value_states, scaling: float):
+        """Layer i of a decode step: its new K/V into the call's pool, then the rows' pages."""
+        layer = self.cache.layers[i]
+        layer.write(key_states, value_states)
+        attend = row_attention if self.writes.table is not None else paged_attention
+        return attend(query, layer.keys, layer.values, self.writes, scaling)
+
+
+_KEPT = {}   # (device, weights) -> _Slots of graphed calls, at most KEEP_WEIGHTS, oldest first
+
+
+def _weights_key(model) -> tuple:
+    """What decides the weights a decode forward reads, so a graph replays only the weights it was
+    captured with: the storage of every parameter, and the adapter active in any policies.LoRA
+    hooked onto the model (its hooks read the adapter named then)."""
+    active = {id(c.cell_contents): c.cell_contents.active for m in model.modules()
+              for h in m._forward_hooks.values() for c in (getattr(h, "__closure__", None) or ())
+              if isinstance(c.cell_contents, policies.LoRA)}
+    return tuple(p.data_ptr() for p in model.parameters()), tuple(sorted(active.items()))
+
+
+def _slots(model, S: int, dev, graphs: bool) -> _Slots:
+    """The call's _Slots: with graphs, the kept ones of these weights when they hold S rows (else
+    new ones, kept, the oldest let go past KEEP_WEIGHTS); without, new ones."""
+    vocab = model.config.vocab_size
+    if not graphs:
+        return _Slots(S, vocab, dev, False)
+    key = (str(dev), _weights_key(model))
+    slots = _KEPT.pop(key, None)
+    if slots is None or len(slots.tok) < S or slots.logits.shape[1] != vocab:
+        slots = _Slots(S, vocab, dev, True)
+    _KEPT[key] = slots
+    while len(_KEPT) > KEEP_WEIGHTS:
+        _KEPT.pop(next(iter(_KEPT)))
+    return slots
+
+
 class _Decoder:
-    """The forward of a decode step over the first n cache rows: every row feeds st.dev.tok at
-    its column st.dev.pos (= its position), writes its K/V there, and row group (a, b, w) attends
-    its first w columns (the mask, built inside from the positions, hides a row's columns past
-    its own); the next-token logits land in st.dev.logits. Its inputs are buffers written in
-    place (tokens, positions, the cache) and nothing in it reads the device, so on CUDA
-    (`graphs`) a step of n rows over `groups` is captured once as a CUDA graph and replayed
-    (cudagraphs.StepGraphs); a generate call runs one adapter, so a graph belongs to one adapter.
+    """The forward of a decode step over the first n slots: every row feeds st.dev.tok at its
+    position st.dev.pos, writes its K/V at that column's page and offset, and attends its own
+    pages (paged_attention); the next-token logits land in st.dev.logits. What the step attends
+    and writes is built on the host from its books (`plan`) and copied into writes.meta before the
+    step; nothing in the step reads the device, so on CUDA (slots.graphs) a step of n rows is
+    captured once for the process, in pieces around each layer's attention (cudagraphs.hole),
+    and replayed. Counts the columns it attends (pages x PAGE) and the rows' own (their widths),
+    the measure of what paging saves."""
 
-    Which groups a step attends is `layout`: where HEADROOM is 0 (a CPU), the cheapest groups of
-    this step's widths (_groups); elsewhere the groups of an earlier step of as many rows are
-    kept while they still cover every busy row and cost at most RELAYOUT times the fresh ones,
-    and fresh groups get HEADROOM columns to grow into: so one graph serves a hundred steps or
-    more instead of one width bucket's worth."""
-
-    def __init__(self, model, cache, writes: _Writes, st: _Rows, graphs: bool):
-        self.model, self.cache, self.writes, self.st = model, cache, writes, st
-        self.graphs = cudagraphs.StepGraphs(st.dev.out.device) if graphs else None
+    def __init__(self, model, cache, writes: _Writes, st: _Rows, slots: _Slots, job: _Job, counts):
+        self.model, self.cache, self.writes, self.st, self.slots = model, cache, writes, st, slots
+        self.job, self.counts = job, counts
+        slots.cache, slots.writes = cache, writes
         self.cache_kw = cache_kwarg(model)
-        self.layouts = {}          # n -> the row groups steps of n rows attend while they cover
-        self.eager_steps = 0
+        self.rows = ATTEND[_kind(st.dev.out.device)] == "rows"
+        self.eager_steps = self.attended = self.own = 0
 
-    def forward(self, n: int, groups: tuple) -> None:
-        d = self.st.dev
-        pos = d.pos[:n]                                              # (n,) column of the token fed
-        self.writes.decode(n, max(w for _, _, w in groups), pos)
-        mask = (self.writes.columns[:self.writes.width] <= pos[:, None])[:, None, None]   # (n, 1, 1, W)
-        out = self.model(input_ids=d.tok[:n, None], attention_mask=mask, position_ids=pos[:, None], use_cache=True,
-                         row_groups=groups, **{self.cache_kw: self.cache})
-        d.logits[:n] = out.logits[:, -1]                             # (n, V) fp32
-
-    def __call__(self, n: int, groups: tuple) -> None:
-        if self.graphs is None:
-            self.eager_steps += 1
-            return self.forward(n, groups)
-        self.graphs.run((n, groups), lambda: self.forward(n, groups))
-
-    def layout(self, length: int, per_column: int) -> tuple:
-        """The row groups of this step (see the class): ((start, end, w), ...)."""
-        st = self.st
-        kind = "cuda" if st.dev.out.device.type == "cuda" else "cpu"
-        fresh = _groups(st, length, per_column, HEADROOM[kind])
-        if not HEADROOM[kind]:
-            return fresh
-        held, call = self.layouts.get(st.n), ATTN_CALL[kind] / per_column
-        width = (st.host.pos[:st.n] + 1) * st.host.busy[:st.n]      # (n,) host counters: no sync
-        if held is not None and all(width[a:b].max() <= w for a, b, w in held) \
-                and _cost(held, call) <= RELAYOUT * _cost(fresh, call):
-            return held
-        self.layouts[st.n] = fresh
-        return fresh
-
-    def count(self) -> None:
-        """Add this call's captures, replays and eager steps to cudagraphs.GRAPHS."""
-        if self.graphs is None:
-            cudagraphs.GRAPHS["calls"] += 1
-            cudagraphs.GRAPHS["eager_steps"] += self.eager_steps
+    def plan(self) -> int:
+        """Give every busy row a page for its write (preempting rows if the pool has too few,
+        _make_room), fill writes.meta with the step's numbers (one copy to the device), and return
+        the pages attended (C)."""
+        st, pg = self.st, self.st.pages
+        _make_room(st, self.job, self.counts)
+        n, h, page = st.n, st.host, pg.page
+        width = (h.pos[:n] + 1) * h.busy[:n]                         # (n,) columns each row attends, 0 if free
+        count = pages_for(width, page)                               # (n,)
+        rows = np.repeat(np.arange(n), count)                        # (C,) each page's row
+        k = np.arange(len(rows)) - np.repeat(np.cumsum(count) - count, count)   # (C,) its index in the row
+        pages, valid = pg.table[rows, k], np.minimum(page, width[rows] - k * page)
+        write = np.where(h.busy[:n] == 1, pg.table[np.arange(n), h.pos[:n] // page], 0)   # (n,) free slots: trash
+        meta = np.concatenate([write, np.where(h.busy[:n] == 1, h.pos[:n] % page, 0), pages, rows, valid])
+        self.writes.meta[:len(meta)].copy_(_to(meta, self.writes.meta.device), non_blocking=True)
+        self.own += int(width.sum())
+        if self.rows:     # the pages of each row side by side, as many as the widest row's
+            P = int(count.max())
+            table = np.where(np.arange(P) < count[:, None], pg.table[:n, :P], 0)              # (n, P)
+            own = np.arange(P * page) < np.maximum(width, 1)[:, None]    # a free slot: one trash column, not NaN
+            self.writes.table, self.writes.row_mask = _to(table, self.writes.meta.device), \
+                _to(own, self.writes.meta.device)[:, None, None]
+            self.attended += n * P * page
         else:
-            self.graphs.count()
+            self.attended += len(rows) * page
+        return len(rows)
+
+    def forward(self, n: int) -> None:
+        s = self.slots
+        out = self.model(input_ids=s.tok[:n, None], attention_mask=s.ones[:n], position_ids=s.pos[:n, None],
+                         use_cache=True, paged=s, **{self.cache_kw: self.cache})
+        s.logits[:n] = out.logits[:, -1]                             # (n, V) fp32
+
+    def __call__(self, n: int, C: int) -> None:
+        self.writes.decode(n, C)       # eagerly: the views this step's attention reads
+        if self.slots.graphs is None:
+            self.eager_steps += 1
+            return self.forward(n)
+        self.slots.graphs.run(n, lambda: self.forward(n))
+
+    def count(self, counts) -> None:
+        """Add this call to cudagraphs.GRAPHS (its eager steps; the graphs count their own), and the
+        columns attended to `counts`."""
+        counts["attended_columns"] += self.attended
+        counts["own_columns"] += self.own
+        cudagraphs.GRAPHS["calls"] += 1
+        cudagraphs.GRAPHS["eager_steps"] += self.eager_steps
+
+
+def _pool_pages(prompts: list, limits, page: int, page_bytes: int, kv_budget) -> int:
+    """Pages the call's pool holds, the trash page included: what every row needs at once (its
+    prompt + its limit, in pages), at most what `kv_budget` bytes hold, and at least the longest
+    row's (kept prompts are let go when nothing else fits: _refill)."""
+    need = pages_for(np.array([len(p) for p in prompts]) + limits, page)   # (B,)
+    pages = int(need.sum()) + 1
+    if kv_budget is not None:
+        pages = min(pages, int(kv_budget) // page_bytes)
+        if pages < int(need.max()) + 1:
+            raise ValueError(f"kv_budget {int(kv_budget):,} B holds {int(kv_budget) // page_bytes} pages of {page} "
+                             f"tokens ({page_bytes:,} B each): the longest row needs {int(need.max())}, plus the trash "
+                             "page")
+    return pages
 
 
 @torch.no_grad()  # not inference_mode: its tensors could not be reused by autograd later
@@ -821,25 +1081,32 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
              cuda_graphs: bool = True, host: bool = False) -> Generation:
     """Sample a completion for every prompt (a list of token-id lists), as generate_simple does.
     `max_new_tokens`: one limit, or one per prompt. Row i's token t is drawn with
-    seeds.uniforms(seed, keys[i], t), so what a row samples does not depend on the cache row it
-    gets or on which rows share the call. At most `kv_budget` bytes of KV cache (None: every row
-    at once) and `max_rows` rows are held. `cuda_graphs`: replay decode steps from CUDA graphs
-    on a CUDA device. `stats`, a dict, gets prefill_rows (prompts run through a prefill) and
-    decode_steps added, and kv_bytes (cache tensors held) and rows (rows held at once) raised to
-    this call's. `host`: the Generation's tensors on the host, each copied there once (what
-    rollout.make_llm reads row by row, several device reads a row otherwise)."""
+    seeds.uniforms(seed, keys[i], t), so what a row samples does not depend on the slot or pages
+    it gets or on which rows share the call. At most `kv_budget` bytes of KV cache (None: every
+    row at once) and `max_rows` rows in flight. `cuda_graphs`: replay decode steps from CUDA
+    graphs on a CUDA device. `stats`, a dict, gets prefill_rows (prompts run through a prefill),
+    decode_steps, attended_columns / own_columns (pages x PAGE each step attends, and its rows'
+    own widths), preempted (rows preempted) and let_go (kept prompts dropped for pages) added, and kv_bytes (cache tensors held) and rows (the most rows in flight at once)
+    raised to this call's. `host`: the Generation's tensors on the host, each copied there once
+    (what rollout.make_llm reads row by row, several device reads a row otherwise)."""
     limits = check_limits(prompts, max_new_tokens)
     dev = next(model.parameters()).device
-    need = max(len(p) + int(t) for p, t in zip(prompts, limits))  # columns of the longest row
-    S = _row_count(len(prompts), need, kv_bytes_per_token(model.config, model.dtype), kv_budget, max_rows)
-    cache, writes = _row_cache(model, S, need)
+    page, bpt = PAGE[_kind(dev)], kv_bytes_per_token(model.config, model.dtype)
+    need = max(len(p) + int(t) for p, t in zip(prompts, limits))  # tokens of the longest row
+    S = _row_count(len(prompts), need, bpt, None, max_rows)
+    _row_count(len(prompts), need, bpt, kv_budget, max_rows)       # a budget below the longest row: refused
+    total = _pool_pages(prompts, limits, page, page * bpt, kv_budget)
+    most = int(pages_for(need, page))
+    writes = _Writes(_kv_heads_and_dim(model.config)[0], page, total, S * most, S, dev)
+    cache = _page_cache(model, total, page, writes)
     job = _new_job(prompts, limits, pad_id, share_prefix, row_keys(keys, len(prompts), dev), dev)
-    st = _Rows.empty(S, discard=len(prompts), device=dev)
-    decode = _Decoder(model, cache, writes, st, cuda_graphs and cudagraphs.usable(dev))
+    slots = _slots(model, S, dev, cuda_graphs and cudagraphs.usable(dev))
+    st = _Rows.empty(S, discard=len(prompts), pages=_Pages(total, page, S, most), slots=slots)
+    counts = Counter(prefill_rows=0, decode_steps=0, attended_columns=0, own_columns=0, preempted=0, let_go=0,
+                     admitted=0)
+    decode = _Decoder(model, cache, writes, st, slots, job, counts)
     check = _StopCheck(S, dev)
     stops = torch.tensor(sorted(set(stop_ids)), device=dev)
-    per_column = math.prod(_kv_heads_and_dim(model.config))   # K/V elements of one row-column, per layer
-    counts = Counter(prefill_rows=0, decode_steps=0)
     # the model's device current (a graph or stream on another one records nothing), and the
     # attention kernel pinned (policies.attention_kernels)
     with cudagraphs.on_device(dev), _row_attention(model), policies.attention_kernels(dev):
@@ -850,18 +1117,22 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
             _sample(st, job, seed, temperature, top_p, stops)
             _retire(st, check(st))
             if st.host.busy.any():
-                decode(st.n, decode.layout(need, per_column))
-                counts["decode_steps"] += 1
+                C = decode.plan()
+                if st.host.busy.any():       # a preempted row may have been the last
+                    decode(st.n, C)
+                    counts["decode_steps"] += 1
+    decode.count(counts)
+    del counts["admitted"]
     if stats is not None:
         for k, v in counts.items():
             stats[k] = stats.get(k, 0) + v
         stats["kv_bytes"] = max(stats.get("kv_bytes", 0), cache_bytes(cache))
-        stats["rows"] = max(stats.get("rows", 0), S)
-    decode.count()
+        stats["rows"] = max(stats.get("rows", 0), st.most)
     out = _output(job)
     if host:
         out = Generation(out.tokens.cpu(), out.logprobs.cpu(), out.mask.cpu(), out.finished.cpu())
-    if dev.type == "cuda":  # the cache and the graphs' pool go back before the update runs
+    slots.cache = slots.writes = None
+    if dev.type == "cuda":  # the cache goes back before the update runs (kept graphs keep their pool)
         del cache, decode, st, writes
         torch.cuda.empty_cache()
     return out

@@ -9,12 +9,14 @@ ordinary DynamicCache, every row stepping together until all have ended. What it
 - keyed draws: row i's token t is drawn with the uniform seeds.uniforms(seed, keys[i], t), by
   inverse CDF over float64 probabilities (the exact distribution to float64 rounding), so what
   a row samples depends on its key and nothing else: not on the rows beside it, the batch it is
-  in or the rank it runs on. A workflow's rows are keyed by workflows.stage;
+  in or the rank it runs on. A workflow's rows are keyed by workflows.stage. On CUDA the draw's
+  probabilities are fp32, drawn in two levels (SAMPLE_DTYPE: the CPU's float64 is what the kept
+  toy runs sampled);
 - logits are divided by the temperature and upcast to fp32 before the log-softmax; the
-  returned logprob of a token is under that temperature-scaled distribution (top-p only narrows
-  which tokens can be drawn; with top_p=1, the paper's setting, it is exactly the distribution
-  sampled from, and what grpo.py recomputes). temperature=0 is greedy, and its logprobs are then
-  under the unscaled (T=1) distribution;
+  returned logprob of a token is under the distribution it was drawn from: the
+  temperature-scaled softmax (with top_p=1, the paper's setting, what grpo.py recomputes), or
+  with top_p < 1 that softmax cut to the nucleus and renormalised. temperature=0 is greedy, and
+  its logprobs are then under the unscaled (T=1) distribution;
 - a row stops at the first of any stop id (Qwen3 has two) or at its own max_new_tokens; the stop
   token is kept with mask 1, later positions are pad with mask 0; `finished` is False for rows
   cut at their limit. Outputs are per prompt, in input order.
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 import policies
@@ -102,34 +105,72 @@ def generate_simple(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     return Generation(tokens[:, :n], logps[:, :n], mask, finished)
 
 
+# The float type of the draw's probabilities, by device. CPU: float64, the exact distribution to
+# float64 rounding, what every kept toy run sampled (another type would move their samples).
+# CUDA: float32, drawn in two levels (_draw_blocks), each token's probability exact to fp32
+# rounding, at half the traffic of float64 over a 151,936-token vocabulary and hundreds of rows.
+SAMPLE_DTYPE = {"cpu": torch.float64, "cuda": torch.float32}
+DRAW_BLOCK = 1024   # tokens in a block of the fp32 draw: its cumulative sum is float64 and short
+
+
 def sample_next(logits, temperature: float, top_p: float, u):
     """Draw one token per row from fp32 `logits` (B, V) with the row's uniform `u` (B,) float64
-    (unused when greedy); return (ids (B,), logprobs (B,) fp32)."""
+    (unused when greedy); return (ids (B,), logprobs (B,) fp32). The logprob is under the
+    distribution the token was drawn from: the temperature-scaled softmax, and with top_p < 1 that
+    softmax cut to the nucleus and renormalised (log p - log of the mass kept), so a correction
+    that weighs by the sampler's probability (truncated importance sampling) sees the one used."""
     if temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)  # (B, V)
         ids = logp.argmax(-1)
-    else:
-        logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, V) fp32: the logprob returned
-        # drawn from float64 probabilities: in fp32 a cumulative sum over 151,936 tokens rounds
-        # every late token's mass to 0 or to a whole fp32 step, so many could never be drawn
-        probs = torch.softmax(logits.double() / temperature, dim=-1)   # (B, V) float64
-        if top_p < 1.0:
-            sp, si = probs.sort(-1, descending=True)
-            # keep the smallest prefix whose mass reaches top_p: a token goes once the mass
-            # before it already reaches top_p (`>=`: on an exact tie the next token is not kept)
-            drop = sp.cumsum(-1) - sp >= top_p
-            ids = si.gather(-1, _draw(sp.masked_fill(drop, 0.0), u)[:, None]).squeeze(-1)
-        else:
-            ids = _draw(probs, u)
+        return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, V) fp32: the logprob returned
+    # drawn from float64 probabilities on a CPU: in fp32 a cumulative sum over 151,936 tokens
+    # rounds every late token's mass to 0 or to a whole fp32 step, so many could never be drawn
+    # (CUDA's fp32 draw sums in blocks to avoid it)
+    wide = SAMPLE_DTYPE["cuda" if logits.is_cuda else "cpu"]
+    probs = torch.softmax(logits.to(wide) / temperature, dim=-1)   # (B, V)
+    if top_p < 1.0:
+        sp, si = probs.sort(-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p: a token goes once the mass
+        # before it already reaches top_p (`>=`: on an exact tie the next token is not kept)
+        kept = sp.masked_fill(sp.cumsum(-1) - sp >= top_p, 0.0)           # (B, V) sorted
+        j = _draw(kept, u)[:, None]                                        # (B, 1) in the sorted order
+        # log p - log of the mass kept, in the draw's type (float64 on a CPU: the two logs' rounding
+        # would otherwise add up)
+        lp = torch.log(kept.gather(-1, j)).squeeze(-1) - torch.log(kept.sum(-1, dtype=torch.float64))
+        return si.gather(-1, j).squeeze(-1), lp.float()
+    ids = _draw(probs, u)
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
 
 def _draw(probs, u):
-    """One index per row of `probs` (B, V) float64 by inverse CDF: the row's uniform `u` (B,)
-    times the total mass, found in the cumulative sum by a binary search (lighter than
-    torch.multinomial for one sample a row). Token v is drawn with probability
-    (c[v] - c[v-1]) / c[-1], c the float64 cumsum: the exact distribution to float64 rounding."""
+    """One index per row of `probs` (B, V) by inverse CDF with the row's uniform `u` (B,): float64
+    probabilities through one cumulative sum (lighter than torch.multinomial for one sample a
+    row; token v is drawn with probability (c[v] - c[v-1]) / c[-1], c the float64 cumsum: the
+    exact distribution to float64 rounding), fp32 ones in two levels (_draw_blocks)."""
+    if probs.dtype != torch.float64:
+        return _draw_blocks(probs, u)
     return inverse_cdf(probs.cumsum(-1), u[:, None]).squeeze(-1)        # cumsum (B, V) float64
+
+
+def _draw_blocks(probs, u, block: int = DRAW_BLOCK):
+    """`_draw` of fp32 `probs` (B, V), for uniforms u (B,) or (B, M): the block of DRAW_BLOCK
+    tokens first, by the float64 cumulative sum of the blocks' masses (each summed in float64),
+    then the token within it, by the float64 cumulative sum of its block: no cumulative sum runs
+    long in fp32, so every token keeps its fp32 probability (a sum over the whole vocabulary in
+    fp32 would round late tokens' mass away). The draw's mass within its block is u x total -
+    the mass of the blocks before it."""
+    B, V = probs.shape
+    x = u.double().reshape(B, -1)                                       # (B, M)
+    p = F.pad(probs, (0, -V % block)).view(B, -1, block)                # (B, K, block), zeros past V
+    c = p.sum(-1, dtype=torch.float64).cumsum(-1)                       # (B, K) float64
+    k = inverse_cdf(c, x)                                               # (B, M) the blocks: positive mass
+    before = torch.where(k > 0, c.gather(-1, (k - 1).clamp(min=0)), 0.0)   # (B, M) mass of the blocks before
+    rows = torch.arange(B, device=probs.device)[:, None]
+    inner = p[rows, k].double().cumsum(-1)                              # (B, M, block) within each block
+    at = (x * c[:, -1:] - before) / inner[..., -1]                      # (B, M) where in the block, 0..1
+    j = inverse_cdf(inner.view(-1, block), at.view(-1, 1)).view(B, -1)  # (B, M)
+    return (k * block + j).view(u.shape)
 
 
 def inverse_cdf(c, u):

@@ -141,8 +141,8 @@ def count_ops_and_syncs(fn):
 
 
 def as_on_cuda(eng):
-    """Row groups, widths, the stop check and the call cost as on CUDA (counts then match a GPU's)."""
-    for name in ("GROUP_ROWS", "WIDTH_BUCKET", "STOP_EVERY", "ATTN_CALL"):
+    """Pages, their attention and the stop check as on CUDA (counts then match a GPU's)."""
+    for name in ("PAGE", "ATTEND", "STOP_EVERY"):
         if isinstance(getattr(eng, name, None), dict):
             getattr(eng, name)["cpu"] = getattr(eng, name)["cuda"]
 
@@ -221,10 +221,10 @@ def compile_check(args, eng, policies):
     eager = eng.generate(m, prompts, n, [63], 0, temperature=0)
     real, compiled = eng._Decoder.forward, {}
 
-    def forward(self, rows, groups):
+    def forward(self, rows):
         if id(self) not in compiled:
-            compiled[id(self)] = torch.compile(lambda r, g: real(self, r, g), fullgraph=True, dynamic=False)
-        return compiled[id(self)](rows, groups)
+            compiled[id(self)] = torch.compile(lambda r: real(self, r), fullgraph=True, dynamic=False)
+        return compiled[id(self)](rows)
     eng._Decoder.forward = forward
     t = time.time()
     out = eng.generate(m, prompts, n, [63], 0, temperature=0)

@@ -5,7 +5,7 @@
     python bench/generate.py --workload equal --prompt-min 16 --prompt-len 48 --equal-new 64  # 32 rows, 16-48
     python bench/generate.py --device cuda --config 0.6b --prompts 512 --slots 256 --new 512
     python bench/generate.py --check --device cuda                 # greedy parity, tiny model
-    python bench/generate.py --call-cost                           # engine.ATTN_CALL on this device
+    python bench/generate.py --device cuda --config 0.6b --workload voting --samplers continuous --repeats 1
 
 Every sampler gets the same model, prompts and sampling settings (temperature, top_p=1). The stop
 id is one the prompts never hold and the random model (almost) never samples, so a row runs to
@@ -20,11 +20,13 @@ same figure for every sampler. Workloads:
   generate over all rows in that budget) against lockstep batches (generate_simple) of --slots
   rows in input order (the same memory: each batch runs until its longest row ends), and
   against model.generate in the same batches. Goal on CPU: continuous / lockstep >= 1.5.
-`--call-cost` measures what engine.ATTN_CALL states: the time of one decode attention call
-(SDPA with the query heads folded, as engine.decode_attention calls it) over one row and column,
-against the extra time per attended K/V element of a call over many, at the toy and the 0.6B
-head shapes; their ratio is a call's cost in elements, the constant engine._groups weighs
-padding against.
+- voting: a paper-like Voting generation stage, --problems x --rollouts rows (64 x 8), a prompt
+  of 150 to 350 tokens a problem (its rollouts share it), completions drawn from a lognormal
+  (median --median x --new, sigma --sigma) cut at --new (2,048): each row's limit is its drawn
+  length, so random weights end where a real model's long tail would. One engine.generate call in
+  the default KV budget; it prints tokens/s and the share of the GPU's peak bandwidth that the
+  bytes a decode needs (the weights once a step, each row's own K/V columns) reach
+  (--peak-tb-s, known for H100 and H200).
 Each sampler runs once to warm up (its first --slots rows, 8 tokens each), then --repeats times, interleaved, best time kept (these
 machines are shared and noisy; only ratios within one run mean anything). On a CPU device the
 time is the process's CPU time by default (`--clock cpu`; run with OMP_NUM_THREADS=1), which other
@@ -154,9 +156,46 @@ def run(model, args, name, prompts, limits, slots):
         print(f"  {name}: continuous = {vs}", flush=True)
 
 
+PEAK_TB_S = {"H100": 3.35, "H200": 4.8}   # HBM bandwidth by the device's name
+
+
+def voting(model, args) -> None:
+    """The voting workload (see the docstring): one timed call after a short warm-up call."""
+    g = torch.Generator().manual_seed(0)
+    V, rows = model.config.vocab_size, args.problems * args.rollouts
+    lens = torch.randint(150, 351, (args.problems,), generator=g).tolist()
+    distinct = [torch.randint(3, V - 2, (n,), generator=g).tolist() for n in lens]
+    prompts = [distinct[i // args.rollouts] for i in range(rows)]
+    limits = lognormal_limits(rows, args.new, args.median, args.sigma, seed=2)
+    budget = engine.default_kv_budget(args.device)
+    engine.generate(model, prompts[:8], [8] * 8, [V - 1], 0, temperature=args.temperature, kv_budget=budget)
+    stats, cuda = {}, args.device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.generate(model, prompts, limits, [V - 1], 0, temperature=args.temperature, seed=1, keys=list(range(rows)),
+                    kv_budget=budget, stats=stats)
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter() - t0
+    bpt = engine.kv_bytes_per_token(model.config, model.dtype)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    need = stats["decode_steps"] * weights + stats["own_columns"] * bpt      # what a decode must read
+    name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    peak = args.peak_tb_s or next((v for k, v in PEAK_TB_S.items() if k in name), None)
+    share = f"{need / t / (peak * 1e12):.0%} of {peak} TB/s" if peak else "no peak known (--peak-tb-s)"
+    print(f"voting: {rows} rows ({args.problems} prompts x {args.rollouts}), {sum(limits)} tokens (limits mean "
+          f"{sum(limits) / rows:.0f}, max {max(limits)}) in {t:.1f} s: {sum(limits) / t:.0f} tok/s; {stats['decode_steps']} "
+          f"decode steps ({t / stats['decode_steps'] * 1e3:.1f} ms each, prefills included), at most {stats['rows']} rows "
+          f"at once; attended {stats['attended_columns'] / stats['own_columns']:.3f}x the rows' own columns; the "
+          f"weights and own K/V a decode needs, {need / t / 1e12:.2f} TB/s: {share}", flush=True)
+    print(f"  engine: {cudagraphs.graphs_line()}", flush=True)
+
+
 def check_parity(device: str) -> None:
-    """Greedy engine.generate with per-row limits, in a budget of 3 rows, against
-    model.generate on each prompt alone (fp32, a tiny random Qwen3): exits 1 on a mismatch."""
+    """Greedy engine.generate with per-row limits, in a budget of 3 of the longest rows (in pages,
+    and the trash page), against model.generate on each prompt alone (fp32, a tiny random Qwen3):
+    exits 1 on a mismatch."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -166,7 +205,9 @@ def check_parity(device: str) -> None:
     limits = [1 + (7 * i) % 13 for i in range(len(prompts))]
     stop = [int(engine.generate(model, prompts[:1], 3, [63], 0, temperature=0).tokens[0, 2]), 63]
     bpt = engine.kv_bytes_per_token(cfg, model.dtype)
-    out = engine.generate(model, prompts, limits, stop, 0, temperature=0, kv_budget=3 * (9 + 13) * bpt)
+    page = engine.PAGE["cuda" if torch.device(device).type == "cuda" else "cpu"]
+    budget = (3 * engine.pages_for(9 + 13, page) + 1) * page * bpt
+    out = engine.generate(model, prompts, limits, stop, 0, temperature=0, kv_budget=budget)
     bad = 0
     for i, (p, t) in enumerate(zip(prompts, limits)):
         ref = model.generate(input_ids=torch.tensor([p], device=device), attention_mask=torch.ones(1, len(p), device=device,
@@ -179,33 +220,6 @@ def check_parity(device: str) -> None:
         sys.exit(1)
 
 
-def call_cost() -> None:
-    """engine.ATTN_CALL on this CPU, one thread, at the toy (2 KV heads x 32) and the 0.6B (8 x
-    128) head shapes: a call's own cost is the time of a decode attention call over one row and
-    one column; an element's, the extra time of a call over R rows x W columns divided by the
-    K/V elements it attends. Their ratio is the call's cost in elements."""
-    import torch.nn.functional as F
-    torch.set_num_threads(1)
-
-    def seconds(n, w, hkv, g, d, reps=200):
-        q, k = torch.randn(n, hkv, g, d), torch.randn(n, hkv, w, d)
-        mask = torch.ones(n, 1, 1, w, dtype=torch.bool)
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
-            best = min(best, (time.perf_counter() - t0) / reps)
-        return best
-    for name, (hkv, g, d) in {"toy": (2, 2, 32), "0.6b": (8, 2, 128)}.items():
-        call = seconds(1, 1, hkv, g, d)
-        for n, w in ((8, 64), (32, 256)):
-            element = (seconds(n, w, hkv, g, d, reps=50) - call) / (n * w * hkv * d)
-            print(f"{name}, {n} rows x {w} columns: a call {call * 1e6:.1f} us, an element {element * 1e9:.3f} ns: a "
-                  f"call costs {call / element:,.0f} elements (engine.ATTN_CALL['cpu'] is {engine.ATTN_CALL['cpu']:,})",
-                  flush=True)
-
-
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     pass
 
@@ -214,7 +228,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     ap.add_argument("--config", default="small", choices=sorted(CONFIGS), help="model shape (random weights)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device")
-    ap.add_argument("--workload", default="both", choices=["equal", "realistic", "both"], help="which workload")
+    ap.add_argument("--workload", default="both", choices=["equal", "realistic", "both", "voting"], help="which workload")
+    ap.add_argument("--problems", type=int, default=64, help="voting: distinct prompts")
+    ap.add_argument("--rollouts", type=int, default=8, help="voting: rows a prompt")
+    ap.add_argument("--peak-tb-s", type=float, default=None, help="voting: the device's peak bandwidth, TB/s "
+                    "(default: known for H100 and H200)")
     ap.add_argument("--slots", type=int, default=32, help="rows the KV budget holds (equal: the rows)")
     ap.add_argument("--prompts", type=int, default=256, help="realistic: rows in all")
     ap.add_argument("--prompt-len", type=int, default=32, help="longest prompt; others are up to 7 shorter")
@@ -229,7 +247,6 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each sampler, best kept")
     ap.add_argument("--clock", choices=["cpu", "wall"], default=None,
                     help="time measured: process CPU time or wall time (default: cpu on a CPU device, else wall)")
-    ap.add_argument("--call-cost", action="store_true", help="only measure engine.ATTN_CALL on this CPU, then exit")
     ap.add_argument("--check", action="store_true",
                     help="only check greedy parity with model.generate on --device (tiny fp32 model), then exit")
     ap.add_argument("--samplers", default="lockstep,continuous,model.generate",
@@ -238,14 +255,14 @@ def main():
     args.clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     if args.check:
         return check_parity(args.device)
-    if args.call_cost:
-        return call_cost()
 
     torch.set_grad_enabled(False)
     model = build_model(args.config, args.device)
     V = model.config.vocab_size
     print(f"config={args.config} device={args.device} dtype={model.dtype} prompt<={args.prompt_len} "
           f"group={args.group} temperature={args.temperature}", flush=True)
+    if args.workload == "voting":
+        return voting(model, args)
     if args.workload in ("equal", "both"):
         prompts = make_prompts(args.slots, args.prompt_len, args.group, V, shortest=args.prompt_min)
         run(model, args, "equal", prompts, [args.equal_new or args.new] * len(prompts), args.slots)

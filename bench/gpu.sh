@@ -6,8 +6,14 @@
 #
 #   bash bench/gpu.sh 2>&1 | tee $OUT/gpu.log   # on the GPU
 #   bash bench/gpu.sh --tiny                    # every section on this CPU with tiny shapes (~2 minutes)
-#   PARTS="sdpa decode" bash bench/gpu.sh       # some sections, in that order (train decode sampler sdpa)
+#   PARTS="sdpa decode" bash bench/gpu.sh       # some sections, in that order (voting train sampler decode sdpa)
 #
+# voting: a paper-like Voting generation at the 0.6B shape (bench/generate.py --workload voting):
+#    64 problems x 8 rollouts, prompts of 150-350 tokens, completions lognormal (median 410,
+#    sigma 0.9) cut at 2,048, each row's limit its drawn length (random weights never stop), one
+#    engine.generate call in the default KV budget: tokens/s, and the share of peak bandwidth the
+#    bytes a decode needs (weights once a step, each row's own K/V) reach. The default parts are
+#    voting, train and sampler (under 8 minutes); decode and sdpa run when PARTS names them.
 # train: one training step, Voting at the paper's batch (64 problems x 8 rollouts, LoRA r64, Shared)
 #    at the Qwen3-0.6B shape with random weights and the toy tokenizer (bench/random_model.py,
 #    built on the device): the step's time and parts, the update's own peak memory
@@ -31,14 +37,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PY:-python3}
-PARTS=${PARTS:-train decode sampler sdpa}
+PARTS=${PARTS:-voting train sampler}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1   # nothing is fetched, output as it comes
 if [ "${1:-}" = "--tiny" ]; then
   DEVICE=cpu SCALE=tiny TRAIN_NEW=8 TRAIN_PROBLEMS=4 ROWS=4 WIDTHS="64 128" STEPS=4
   SLOTS=8 PROMPTS=32 NEW=16 SDPA="--config tiny --prompt-len 48 --new 8 --shapes 2 --repeats 3"
+  VOTING="--problems 4 --rollouts 8 --new 64 --peak-tb-s 0.05"
 else
   DEVICE=cuda SCALE=0.6b TRAIN_NEW=${TRAIN_NEW:-256} TRAIN_PROBLEMS=64 ROWS=120 WIDTHS="512 2560 5120" STEPS=16
   SLOTS=128 PROMPTS=512 NEW=256 SDPA="--config 0.6b"
+  VOTING="--problems 64 --rollouts 8 --new 2048"
 fi
 OUT=${OUT:-.}
 mkdir -p "$OUT"
@@ -82,6 +90,14 @@ print(f"{'update alone (KV cache freed)':44s} {found[-1][8:] if found else 'not 
 found = re.findall(r"engine: .*", open(sys.argv[2]).read())
 print(f"{'decode graphs in the training step':44s} {found[-1][8:] if found else 'not reached'}")
 PY
+}
+
+run_voting() {
+part "voting: a paper-like Voting generation, $SCALE shape, $VOTING"
+limit 150 $PY -u bench/generate.py --device "$DEVICE" --config "$SCALE" --workload voting $VOTING --median 0.2 \
+    --sigma 0.9 --samplers continuous | tee "$work/voting"
+row "voting generation" "$(grep -o 'voting: .*' "$work/voting" | cut -c9- || echo 'did not finish')"
+row "decode graphs in the voting generation" "$(grep -o 'engine: .*' "$work/voting" | tail -1 | cut -c9-)"
 }
 
 run_decode() {

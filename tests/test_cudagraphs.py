@@ -39,12 +39,26 @@ class _Recorder(TorchDispatchMode):
 
 
 class FakeGraph:
-    """A captured step: its aten ops, replayed on the same tensors (static addresses), each
-    output written into the tensor the capture made, so what the Python of the step read at
+    """A captured piece of a step: its aten ops, replayed on the same tensors (static addresses),
+    each output written into the tensor the capture made, so what the Python of the step read at
     capture (shapes, host numbers, which tensors) is frozen, as in a CUDA graph."""
 
     def __init__(self, fake):
-        self.fake, self.ops = fake, []
+        self.fake, self.ops, self.rec = fake, [], None
+
+    def capture_begin(self, pool=None):
+        self.fake.calls.append(("graph", None, self.fake.current))
+        if self.fake.fail is not None:
+            raise self.fake.fail
+        self.fake.pieces += 1
+        self.rec = _Recorder()
+        self.rec.__enter__()
+
+    def capture_end(self):
+        if self.rec is None:   # as torch's: ending a capture that failed raises again
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        self.rec.__exit__(None, None, None)
+        self.ops, self.rec = self.rec.ops, None
 
     def replay(self):
         self.fake.replays += 1
@@ -62,11 +76,12 @@ class FakeGraph:
 
 class FakeCuda:
     """A stand-in for torch.cuda: records which device each call names and which is current,
-    and emulates capture (recording) and replay (FakeGraph). `fail`: the capture raises this."""
+    and emulates capture (recording) and replay (FakeGraph), counting pieces captured and
+    replayed. `fail`: every capture raises this."""
 
     def __init__(self, execute=True, fail=None):
         self.execute, self.fail = execute, fail
-        self.current, self.calls, self.captures, self.replays = None, [], 0, 0
+        self.current, self.calls, self.pieces, self.replays = None, [], 0, 0
 
     @contextlib.contextmanager
     def device(self, d):
@@ -90,20 +105,6 @@ class FakeCuda:
     def CUDAGraph(self):  # noqa: N802
         return FakeGraph(self)
 
-    @contextlib.contextmanager
-    def graph(self, g, pool=None, stream=None):
-        self.calls.append(("graph", None, self.current))
-        if self.fail is not None:
-            try:
-                raise self.fail
-            finally:   # as torch.cuda.graph's exit: ending the capture raises again
-                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
-        rec = _Recorder()
-        with rec:
-            yield
-        g.ops = rec.ops
-        self.captures += 1
-
     def synchronize(self, device=None):
         self.calls.append(("synchronize", torch.device(device), self.current))
 
@@ -117,17 +118,19 @@ def fake_cuda(monkeypatch):
         monkeypatch.setattr(cudagraphs, "usable", lambda device: not cudagraphs.GRAPHS["refused"])
         monkeypatch.setattr(cudagraphs, "on_device", lambda device: fake.device(device))
         return fake
-    monkeypatch.setattr(cudagraphs, "GRAPHS", dict(cudagraphs.GRAPHS, refused=""))
+    fresh_graphs(monkeypatch)
     return make
 
 
+def fresh_graphs(monkeypatch):
+    """GRAPHS at zero and no kept graphs, restored after the test."""
+    monkeypatch.setattr(cudagraphs, "GRAPHS", {k: type(v)() for k, v in cudagraphs.GRAPHS.items()})
+    monkeypatch.setattr(engine, "_KEPT", {})
+
+
 def small_cuda_layout(monkeypatch):
-    """Row groups of 2+ rows and widths rounded to 2 columns with 3 of headroom: CUDA's rules at
-    a tiny model's scale, so a graph serves several steps."""
-    monkeypatch.setitem(engine.WIDTH_BUCKET, "cpu", 2)
-    monkeypatch.setitem(engine.GROUP_ROWS, "cpu", 2)
-    monkeypatch.setitem(engine.HEADROOM, "cpu", 3)
-    monkeypatch.setattr(engine, "ATTN_GROUPS", 4)
+    """Pages of 3 tokens: rows cross page boundaries between replays, as on CUDA at length."""
+    monkeypatch.setitem(engine.PAGE, "cpu", 3)
 
 
 # ----------------------------------------------------------------------------- the device and the graphs
@@ -141,7 +144,8 @@ def test_every_cuda_call_names_the_models_device_and_runs_with_it_current(fake_c
     dev = next(m.parameters()).device
     engine.generate(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, seed=3,
                     kv_budget=budget_for(m, 5, MIXED, MIXED_LIMITS))
-    assert fake.captures >= 2 and fake.replays > fake.captures
+    g = cudagraphs.GRAPHS
+    assert g["captures"] >= 2 and g["replays"] > g["captures"] and fake.pieces > g["captures"]
     assert fake.calls and all(cur == dev and (named is None or named == dev) for _, named, cur in fake.calls)
 
 
@@ -171,55 +175,92 @@ def test_a_run_on_cuda_n_makes_cuda_n_current_and_cudnn_attention_off(monkeypatc
 
 
 def test_replayed_graphs_sample_what_generate_simple_does(fake_cuda, monkeypatch):
-    # the stand-in replays each captured step's recorded ops on the same tensors, so a step
-    # whose graph depended on anything but its buffers (a host number, a new tensor) would
-    # sample wrong
+    # the stand-in replays each captured piece's recorded ops on the same tensors, and the holes
+    # (each layer's paged attention) between them, so a step whose graph depended on anything but
+    # its buffers (a host number, a new tensor, an earlier call's cache) would sample wrong. The
+    # graphs are kept across calls: the later calls capture nothing new
     small_cuda_layout(monkeypatch)
     m = tiny_qwen3(seed=0)
     keys = [seeds.key("mixed", i) for i in range(len(MIXED))]
+    fake_cuda()
     for temperature, top_p in ((0, 1.0), (0.7, 0.9)):
         simple = rollout.generate_simple(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=temperature, top_p=top_p,
                                          seed=3, keys=keys)
-        for rows in (2, 5):
-            fake = fake_cuda()
-            stats = {}
+        for rows in (2, 1, None):
+            stats, before = {}, dict(cudagraphs.GRAPHS)
             fast = engine.generate(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=temperature, top_p=top_p, seed=3,
-                                   keys=keys, kv_budget=budget_for(m, rows, MIXED, MIXED_LIMITS), stats=stats)
+                                   keys=keys, stats=stats,
+                                   kv_budget=None if rows is None else budget_for(m, rows, MIXED, MIXED_LIMITS))
             assert_same_generation(fast, simple)
-            assert fake.replays > 2 * fake.captures and fake.replays + fake.captures == stats["decode_steps"]
+            g = {k: cudagraphs.GRAPHS[k] - before[k] for k in ("captures", "replays", "eager_steps")}
+            assert g["eager_steps"] == 0 and g["captures"] + g["replays"] == stats["decode_steps"]
+    slots = next(iter(engine._KEPT.values()))
+    assert cudagraphs.GRAPHS["captures"] == len(slots.graphs.graphs) <= 5           # once a row bucket: 1 .. 16
+    assert cudagraphs.GRAPHS["replays"] > 10 * cudagraphs.GRAPHS["captures"]
 
 
-def test_the_first_failed_capture_turns_graphs_off_for_the_process_and_says_its_first_cause(fake_cuda, capsys):
+def test_graphs_are_kept_for_each_adapter_and_never_replay_another_ones(fake_cuda, monkeypatch):
+    """A graph bakes in the adapter active at capture (policies.LoRA's hooks): two adapters
+    alternating in one process sample what generate_simple does under each, and each captures
+    its row buckets once."""
+    import policies
+    small_cuda_layout(monkeypatch)
+    m = tiny_qwen3(seed=0)
+    pol = policies.Policy(m, None, ("generator", "aggregator"), "isolated", rank=4, alpha=8)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name in pol.names:
+            for p in pol.parameters_of(name):
+                p.normal_(0, 0.3)
+    fake_cuda()
+    keys = [seeds.key("adapter", i) for i in range(len(MIXED))]
+    for _ in range(2):
+        for name in pol.names:
+            with pol.using(name) as model:
+                simple = rollout.generate_simple(model, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, seed=3,
+                                                 keys=keys)
+                assert_same_generation(engine.generate(model, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7,
+                                                       seed=3, keys=keys), simple)
+    assert len(engine._KEPT) == 2
+    assert cudagraphs.GRAPHS["captures"] == sum(len(s.graphs.graphs) for s in engine._KEPT.values())
+
+
+def test_a_failed_capture_is_tried_once_more_then_graphs_are_off_and_said_with_its_first_cause(fake_cuda, capsys):
     fake = fake_cuda(fail=ValueError("the op that cannot be captured"))
     m = tiny_qwen3(seed=0)
     simple = rollout.generate_simple(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, seed=3)
+    assert cudagraphs.graphs_status() == ""
     for _ in range(2):   # the second call tries no capture
         out = engine.generate(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, seed=3)
         assert_same_generation(out, simple)
-    assert sum(name == "graph" for name, _, _ in fake.calls) == 1
+    assert sum(name == "graph" for name, _, _ in fake.calls) == 2          # the capture, and one retry
     assert cudagraphs.GRAPHS["refused"] == "ValueError: the op that cannot be captured"
+    assert cudagraphs.GRAPHS["failures"] == 2
     assert capsys.readouterr().err.count("no CUDA graphs for the rest of this process (ValueError") == 1
     assert cudagraphs.GRAPHS["captures"] == 0 and cudagraphs.GRAPHS["eager_steps"] > 0
     assert "graphs refused: ValueError" in cudagraphs.graphs_line()
+    assert cudagraphs.graphs_status() == "off (ValueError: the op that cannot be captured)"   # train.py's step line
 
 
-def test_a_held_layout_covers_every_busy_row_and_is_dropped_when_it_costs_too_much(monkeypatch):
-    monkeypatch.setitem(engine.HEADROOM, "cpu", 8)
-    monkeypatch.setitem(engine.WIDTH_BUCKET, "cpu", 4)
-    monkeypatch.setitem(engine.ATTN_CALL, "cpu", 0)
-    st = engine._Rows.empty(4, discard=4, device="cpu")
-    st.host.pos[:], st.host.busy[:], st.n = np.array([39, 29, 9, 4]), 1, 4        # widths 40, 30, 10, 5
-    dec = engine._Decoder(ScheduleModel(), None, None, st, graphs=False)
-    first = dec.layout(length=100, per_column=1)
-    assert all(w >= 8 + (st.host.pos[a:b] + 1).max() for a, b, w in first)    # headroom beyond the widest row
-    for _ in range(7):                                                           # rows grow into the headroom
-        st.host.pos += 1
-        assert dec.layout(100, 1) == first
-    st.host.pos += 2                                                             # the widest row outgrows it
-    second = dec.layout(100, 1)
-    assert second != first and all((st.host.pos[a:b] + 1).max() <= w for a, b, w in second)
-    st.host.busy[0] = 0                                                          # the widest row ends: 40% waste
-    assert dec.layout(100, 1)[0][2] < second[0][2]
+def test_a_capture_that_fails_once_is_retried_and_kept(fake_cuda):
+    fake = fake_cuda()
+    real, tries = FakeGraph.capture_begin, []
+
+    def flaky(self, pool=None):
+        tries.append(1)
+        if len(tries) == 1:
+            raise RuntimeError("a transient failure")
+        return real(self, pool)
+    FakeGraph.capture_begin = flaky
+    try:
+        m = tiny_qwen3(seed=0)
+        out = engine.generate(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, seed=3)
+    finally:
+        FakeGraph.capture_begin = real
+    assert_same_generation(out, rollout.generate_simple(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, seed=3))
+    g = cudagraphs.GRAPHS
+    assert g["failures"] == 1 and not g["refused"] and g["captures"] >= 1 and g["replays"] > 0
+    assert cudagraphs.graphs_status() == "1 failed captures" and fake.pieces > 0
 
 
 # ----------------------------------------------------------------------------- the attention kernels
@@ -239,7 +280,7 @@ def test_every_sdpa_call_of_generate_runs_with_the_pinned_kernels(monkeypatch):
         return real_sdpa(q, *a, **k)
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
     engine.generate(tiny_qwen3(seed=0), [[5, 6, 7], [8, 9]], 4, [1], 2, temperature=0.7)
-    assert {q > 2 for q, _ in seen} == {True, False}                   # prefill calls and decode calls
+    assert seen and all(q > 1 for q, _ in seen)                          # prefill calls (decode attends by pages)
     assert not any(cudnn for _, cudnn in seen)
     assert torch.backends.cuda.cudnn_sdp_enabled()                       # restored after
 
@@ -268,7 +309,7 @@ class ScheduleModel(torch.nn.Module):
         return self.weight.dtype
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=True, logits_to_keep=None,
-                past_key_values=None, row_groups=None, **kwargs):
+                past_key_values=None, **kwargs):
         n, T = input_ids.shape
         zeros = torch.zeros(n, 1, T, 1)
         past_key_values.layers[0].update(zeros, zeros, 0)
@@ -277,44 +318,46 @@ class ScheduleModel(torch.nn.Module):
         return types.SimpleNamespace(logits=logits)
 
 
-def simulate_voter_call(monkeypatch, headroom: int, rows: int = 512, seed: int = 0) -> dict:
-    """engine.generate's own schedule on a paper-like voter call, with CUDA's constants and the
-    0.6B shape's cost of an attention call: `rows` rows, three voters to a prompt of 150-350
-    tokens, completions lognormal (median 900, sigma 0.9) cut at 5,120 tokens (each row's limit,
-    so it ends there), in the rows a 0.85 KV budget holds on an H200 at the 0.6B shape. The
-    graphs are the stand-in's (no replay work). Returns the call's counts."""
-    for name in ("GROUP_ROWS", "WIDTH_BUCKET", "STOP_EVERY", "PREFILL_CALL"):
+def simulate_voter_call(monkeypatch, rows: int = 512, seed: int = 0, calls: int = 2) -> dict:
+    """engine.generate's own schedule on a paper-like voter call, with CUDA's constants: `rows`
+    rows, three voters to a prompt of 150-350 tokens, completions lognormal (median 900, sigma
+    0.9) cut at 5,120 tokens (each row's limit, so it ends there), in the pages a 0.85 KV budget
+    holds on an H200 at the 0.6B shape (112 KiB a token), `calls` times in one process. The
+    graphs are the stand-in's (no replay work). Returns the calls' counts."""
+    for name in ("PAGE", "ATTEND", "STOP_EVERY", "PREFILL_CALL"):
         monkeypatch.setitem(getattr(engine, name), "cpu", getattr(engine, name)["cuda"])
-    monkeypatch.setitem(engine.ATTN_CALL, "cpu", engine.ATTN_CALL["cuda"] / (8 * 128))   # per 0.6B column
-    monkeypatch.setitem(engine.HEADROOM, "cpu", headroom)
     fake = FakeCuda(execute=False)
     monkeypatch.setattr(cudagraphs, "cuda", fake)
     monkeypatch.setattr(cudagraphs, "usable", lambda device: True)
-    monkeypatch.setattr(cudagraphs, "GRAPHS", dict(cudagraphs.GRAPHS, refused=""))
+    fresh_graphs(monkeypatch)
     g = np.random.default_rng(seed)
     problems = -(-rows // 3)
     lens = g.integers(150, 351, problems)
     prompts = [[5] * int(lens[i // 3]) for i in range(rows)]
     prompts = [[5 + (i // 3) % 50] + p[1:] for i, p in enumerate(prompts)]      # three voters share a prompt
     limits = np.minimum(5120, np.maximum(1, np.round(np.exp(np.log(900) + 0.9 * g.standard_normal(rows))))).astype(int)
-    need = max(len(p) + t for p, t in zip(prompts, limits))
-    held = engine.rows_that_fit(int(0.85 * 137.91 * 2**30), 114_688, need)     # 0.6B, bf16: 112 KiB a token
+    model = ScheduleModel()
+    tokens = int(0.85 * 137.91 * 2**30) // 114_688                               # what the H200's budget holds
+    budget = tokens * engine.kv_bytes_per_token(model.config, model.dtype)      # the same tokens of this model
     stats = {}
-    engine.generate(ScheduleModel(), prompts, limits.tolist(), [0], 1, temperature=0, max_rows=held, stats=stats)
-    return {"rows_held": held, "decode_steps": stats["decode_steps"], "captures": fake.captures,
-            "steps_per_capture": stats["decode_steps"] / max(fake.captures, 1)}
+    for _ in range(calls):
+        engine.generate(model, prompts, limits.tolist(), [0], 1, temperature=0, kv_budget=budget, stats=stats)
+    buckets = sum(len(slots.graphs.graphs) for slots in engine._KEPT.values())
+    G = cudagraphs.GRAPHS
+    return {"rows": stats["rows"], "decode_steps": stats["decode_steps"], "captures": G["captures"],
+            "buckets": buckets, "attended": stats["attended_columns"] / stats["own_columns"],
+            "steps_per_capture": stats["decode_steps"] / max(G["captures"], 1)}
 
 
-def test_a_paper_like_voter_call_captures_a_graph_every_hundred_steps_or_more(monkeypatch):
-    """Without headroom (each step's own cheapest groups, as before) the call captures a graph
-    every few dozen steps; with HEADROOM["cuda"] a graph serves over a hundred. Run with -s for
-    the counts."""
-    before = simulate_voter_call(monkeypatch, headroom=0)
-    after = simulate_voter_call(monkeypatch, headroom=engine.HEADROOM["cuda"])
-    print(f"paper-like voter call, {before['rows_held']} rows held, {after['decode_steps']} decode steps: "
-          f"{before['captures']} captures ({before['steps_per_capture']:.0f} steps each) without headroom, "
-          f"{after['captures']} ({after['steps_per_capture']:.0f} steps each) with {engine.HEADROOM['cuda']} columns")
-    assert before["decode_steps"] == after["decode_steps"] > 4000      # the same schedule of rows
-    assert before["steps_per_capture"] < 60
-    assert after["steps_per_capture"] >= 100 and after["captures"] * 3 <= before["captures"]
-    assert math.isfinite(after["steps_per_capture"])
+def test_a_paper_like_voter_call_attends_its_rows_own_widths_and_captures_a_bucket_once(monkeypatch):
+    """Paged attention: the pages a step attends (each row's own columns rounded up to a page)
+    are within 1.1x the rows' own widths (the row groups of dense rows attended 1.56x); the
+    budget's pages hold every row at once; two calls in one process capture each row bucket
+    once. Run with -s for the counts."""
+    sim = simulate_voter_call(monkeypatch)
+    print(f"paper-like voter call, two calls: {sim['rows']} rows at once, {sim['decode_steps']} decode steps, "
+          f"attended {sim['attended']:.3f}x the rows' own widths, {sim['captures']} captures of "
+          f"{sim['buckets']} row buckets ({sim['steps_per_capture']:.0f} steps each)")
+    assert sim["decode_steps"] > 8000 and sim["rows"] == 512
+    assert 1.0 <= sim["attended"] <= 1.1
+    assert sim["captures"] == sim["buckets"] <= 70           # 1, 2, 4, 8, 16, ..., 512: once each

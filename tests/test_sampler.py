@@ -1,5 +1,6 @@
 """engine.generate against model.generate, the plain rollout.generate_simple, a teacher-forced
 recompute, and itself: the engine's spec (engine.py's docstring names the invariants)."""
+import itertools
 from collections import Counter
 
 import pytest
@@ -108,10 +109,16 @@ def test_prefix_sharing_gives_the_same_result_as_separate_prefill():
     assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
-def test_top_p_restricts_to_the_nucleus():
+def test_top_p_restricts_to_the_nucleus_and_gives_the_logprob_of_the_nucleus():
     logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]] * 2000)
-    ids, _ = rollout.sample_next(logits, 1.0, 0.5, uniforms(len(logits)))
+    ids, lp = rollout.sample_next(logits, 1.0, 0.5, uniforms(len(logits)))
     assert set(ids.tolist()) == {0}  # token 0 alone holds > 0.5 of the mass
+    assert torch.allclose(lp, torch.zeros(len(logits)), atol=1e-6)   # the nucleus renormalised: p = 1
+    # two tokens kept: each logprob is log p - log(p0 + p1), under what was sampled (issue 53's p_sampler)
+    ids, lp = rollout.sample_next(logits, 1.0, 0.9, uniforms(len(logits)))
+    p = torch.softmax(logits[0].double(), -1)
+    assert set(ids.tolist()) == {0, 1}
+    assert torch.allclose(lp.double(), torch.log(p[ids] / (p[0] + p[1])), atol=1e-6)
     ids, lp = rollout.sample_next(logits, 1.0, 1.0, uniforms(len(logits)))
     freq = torch.bincount(ids, minlength=4).float() / len(ids)
     assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
@@ -127,9 +134,11 @@ LIMITS = [9, 3, 14, 6, 1, 11, 7, 4, 12, 8]
 
 
 def budget_for(model, rows, prompts=MANY, limits=LIMITS):
-    """Bytes that hold `rows` rows of the longest prompt + limit (and not one more)."""
-    need = max(len(p) + t for p, t in zip(prompts, limits))
-    return rows * need * engine.kv_bytes_per_token(model.config, model.dtype) + 1
+    """Bytes of `rows` rows of the call's longest need (prompt + limit, in whole pages) and the
+    trash page: the rows in flight a budget guarantees (shorter rows fit more)."""
+    page = engine.PAGE["cpu"]
+    need = engine.pages_for(max(len(p) + t for p, t in zip(prompts, limits)), page)
+    return (rows * need + 1) * page * engine.kv_bytes_per_token(model.config, model.dtype) + 1
 
 
 def hf_alone(m, prompt, limit, stop=STOP):
@@ -155,7 +164,7 @@ def test_greedy_in_a_small_budget_matches_hf_generate_alone():
         stop = [int(free.tokens[0, 2]), 63]  # row 0 stops at step 2, others when they emit it
         stats = {}
         g = engine.generate(m, MANY, LIMITS, stop, PAD, temperature=0, kv_budget=budget_for(m, 3), stats=stats)
-        assert stats["rows"] == 3 and g.finished.any() and not g.finished.all()
+        assert stats["rows"] >= 3 and g.finished.any() and not g.finished.all()
         for i, (p, limit) in enumerate(zip(MANY, LIMITS)):
             ref = hf_alone(m, p, limit, stop)
             assert torch.equal(g.tokens[i][g.mask[i]], ref), i
@@ -183,8 +192,9 @@ def test_identical_prompts_prefilled_once_across_refills():
         stats = {}
         runs[share] = engine.generate(m, prompts, limits, STOP, PAD, temperature=1.0, seed=1,
                                        share_prefix=share, kv_budget=budget, stats=stats)
-        assert stats["rows"] == 4
-        assert stats["prefill_rows"] == (3 if share else 15)
+        assert stats["rows"] >= 4
+        # each distinct prompt once, again for a row preempted or a kept prompt let go for pages
+        assert stats["prefill_rows"] == (3 if share else 15) + stats["preempted"] + stats["let_go"]
     assert torch.equal(runs[True].tokens, runs[False].tokens)
     assert torch.allclose(runs[True].logprobs, runs[False].logprobs, atol=1e-5)
     assert len(set(runs[True].tokens[:, 0].tolist())) > 1  # each copy samples its own first token
@@ -237,7 +247,7 @@ def test_kv_memory_held_never_exceeds_the_budget():
                              seed=0)
             assert held and max(held) <= budget
             assert max(held) > budget * (rows - 1) / rows  # the budget is used, not wasted
-            assert stats["kv_bytes"] == max(held) and stats["rows"] == rows
+            assert stats["kv_bytes"] == max(held) and stats["rows"] >= rows
     finally:
         hook.remove()
 
@@ -261,8 +271,11 @@ def test_kv_budget_helpers_at_the_real_shapes():
         assert engine.kv_bytes_per_token(cfg, torch.bfloat16) == want
         assert engine.kv_bytes_per_token(cfg, torch.float32) == 2 * want
     assert engine.rows_that_fit(10 * 2**30, 114_688, 5320) == 17
+    assert engine.rows_that_fit(10 * 2**30, 114_688, 5320, page=64) == 17       # 1,461 pages of 84 a row
+    assert engine.rows_that_fit(10 * 2**30, 114_688, 5000, page=64) == 18       # 79 pages a row
     assert engine.default_kv_budget("cpu") == engine.CPU_KV_BUDGET
-    assert engine.kv_budget_line(10 * 2**30, 114_688, 200, 5120) == "KV budget 10.00 GiB holds 17 rows of 200+5120 tokens"
+    assert engine.kv_budget_line(10 * 2**30, 114_688, 200, 5120) == \
+        "KV budget 10.00 GiB in 1,462 pages of 64 tokens holds 17 rows of 200+5120 tokens"
 
 
 def test_the_memory_plan_counts_an_embedded_solution_at_most_one_completion():
@@ -293,17 +306,17 @@ def test_top_p_exact_tie_keeps_only_the_smallest_prefix():
 
 
 def test_a_short_prompt_with_a_long_limit_beside_a_long_prompt():
-    # the long prompt wants few tokens, the short one many: rows are sized for the short one's
-    # need (2 + 20). Prompts are written from column 0 whatever their prefill chunk's padding,
-    # so the short prompt may share a chunk with the long one, and a later copy of it may take
-    # its K/V from any row that holds it (one prefill per distinct prompt)
+    # the long prompt wants few tokens, the short one many: each row holds its own pages.
+    # Prompts are written from column 0 whatever their prefill chunk's padding, so the short
+    # prompt may share a chunk with the long one, and a later copy of it shares the kept
+    # prompt's pages (one prefill per distinct prompt)
     m = tiny_qwen3(seed=6)
     long, short = list(range(20, 30)), [5, 6]
     for prompts, limits in [([long, short], [2, 20]), ([long, short, short, short], [2, 2, 20, 20])]:
         stats = {}
         g = engine.generate(m, prompts, limits, [63], PAD, temperature=0,
                              kv_budget=budget_for(m, 2, prompts, limits), stats=stats)
-        assert stats["rows"] == 2 and stats["prefill_rows"] == 2
+        assert stats["rows"] >= 2 and stats["prefill_rows"] == 2 + stats["preempted"] + stats["let_go"]
         for i, (p, limit) in enumerate(zip(prompts, limits)):
             assert torch.equal(g.tokens[i][g.mask[i]], hf_alone(m, p, limit, [63])), i
 
@@ -328,11 +341,11 @@ def test_generate_equals_generate_simple_greedy_through_refills(build, seed):
     assert simple.finished.any() and cut.any()  # rows that hit a stop id and rows cut at their limit
     assert torch.equal(n[cut], torch.tensor(LIMITS)[cut])
     assert all(int(simple.tokens[i, n[i] - 1]) in stop for i in simple.finished.nonzero()[:, 0])
-    for rows in (1, 3):  # ten prompts through one or three cache rows: the rows refill
+    for rows in (1, 3):  # ten prompts in the pages of one or three of the longest rows: the rows refill
         stats = {}
         fast = engine.generate(m, MANY, LIMITS, stop, PAD, temperature=0, kv_budget=budget_for(m, rows),
                                 stats=stats)
-        assert stats["rows"] == rows
+        assert rows <= stats["rows"] < len(MANY)
         assert_same_generation(fast, simple)
 
 
@@ -452,25 +465,90 @@ def test_the_draw_is_the_exact_distribution_over_a_qwen3_vocabulary(kind, monkey
     assert torch.allclose(lp, torch.log(exact[ids2]).float(), atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["flat", "peaked"])
+def test_the_fp32_draw_is_the_exact_distribution_to_fp32_rounding(kind, monkeypatch):
+    """CUDA's draw (rollout.SAMPLE_DTYPE): fp32 probabilities in blocks. Over a Qwen3 vocabulary
+    a uniform picks the token that float64's inverse CDF picks, except within fp32 rounding of a
+    boundary between two tokens; every token can be drawn (block and token mass positive); and
+    draws pass the chi-square test. A row's draws depend on its uniform alone (row by row or in a
+    batch, the same tokens)."""
+    logits = qwen_sized_logits(kind)[None]                                    # (1, V) fp32
+    exact = torch.softmax(logits.double() / 0.7, -1)                          # (1, V)
+    c = exact.cumsum(-1)
+    n = 100_000
+    u = seeds.uniforms(11, torch.arange(n), torch.zeros(n, dtype=torch.long))  # (n,) float64
+    probs = torch.softmax(logits / 0.7, -1)                                   # (1, V) fp32, as sample_next's
+    ids = torch.cat([rollout._draw_blocks(probs, u[None, a:a + 5000])[0] for a in range(0, n, 5000)])   # (n,)
+    ref = rollout.inverse_cdf(c, u[None])[0]                                   # float64's picks
+    near = torch.minimum((u * c[0, -1] - c[0, ref - 1].where(ref > 0, torch.zeros(()))).abs(),
+                         (c[0, ref] - u * c[0, -1]).abs())                    # u's distance to a boundary
+    differ = ids != ref
+    print(f"{kind}: {int(differ.sum())} of {n} draws differ from float64's, all within "
+          f"{float(near[differ].max()) if differ.any() else 0:.1e} of a boundary")
+    assert int(differ.sum()) <= n // 1000 and (near[differ] < 1e-6).all()
+    # every token drawable: the fp32 probabilities are all positive and no block's mass rounds away
+    assert bool((probs > 0).all())
+    starts, mass = equal_mass_bins(exact[0], n)
+    observed = torch.bincount(torch.bucketize(ids, starts, right=True) - 1, minlength=len(starts)).double()
+    assert chi_square_p(observed, mass * n) > 1e-3
+    # the whole path: sample_next on CUDA's type draws the same tokens, row by row or in a batch,
+    # with the logprob of the scaled softmax
+    monkeypatch.setitem(rollout.SAMPLE_DTYPE, "cpu", torch.float32)
+    batch, lp = rollout.sample_next(logits.expand(100, V), 0.7, 1.0, u[:100])
+    one = torch.cat([rollout.sample_next(logits, 0.7, 1.0, u[i:i + 1])[0] for i in range(20)])
+    assert torch.equal(batch, ids[:100]) and torch.equal(one, ids[:20])
+    assert torch.allclose(lp, torch.log(exact[0, batch]).float(), atol=1e-5)
+    # the block a draw falls in holds a token of the smallest fp32 probability too: the draw of the
+    # last token's own mass picks it
+    last = torch.full((1, V), -30.0)
+    last[0, 0], last[0, -1] = 10.0, -8.0                                       # p(last) ~ 1e-8, in the last block
+    pl = torch.softmax(last.double(), -1)[0]
+    u_last = ((1 - pl[-1] / 2) / pl.sum()).reshape(1)                          # inside the last token's mass
+    assert int(rollout.sample_next(last, 1.0, 1.0, u_last)[0]) == V - 1
+
+
 # ----------------------------------------------------------------------------- the decode step
 
-def test_decode_attention_equals_transformers_sdpa_and_eager_attention():
+class Step:
+    """A decode step's numbers as _Writes.decode makes them: pages, their rows, their masks."""
+
+    def __init__(self, n, pages, rows, valid, page):
+        self.pages, self.rows = torch.tensor(pages), torch.tensor(rows)
+        self.rows_q = self.rows.clamp(max=n - 1)
+        self.mask = (torch.arange(page) < torch.tensor(valid)[:, None])[:, None, None]
+
+
+def test_paged_attention_equals_transformers_sdpa_and_eager_attention():
+    """Rows of 11, 9, 7, 4, 2 and 1 columns in pages of 3 scattered through a pool (one page
+    shared by two rows, a pad page of row n): the same output as SDPA and eager attention over
+    each row's own columns, and a row with no page gets zeros, not NaN."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
     m = tiny_qwen3(hidden=64, heads=8, kv_heads=2)              # 4 query heads per KV head
     attn = m.model.layers[0].self_attn
     g = torch.Generator().manual_seed(0)
-    n, W, D = 6, 11, attn.head_dim
+    n, W, D, page = 7, 11, attn.head_dim, 3
     q, k, v = (torch.randn(n, h, t, D, generator=g) for h, t in ((8, 1), (2, W), (2, W)))
-    width = torch.tensor([11, 9, 7, 4, 2, 1])                    # rows widest first, as generate keeps them
-    mask = (torch.arange(W) < width[:, None])[:, None, None]    # (n, 1, 1, W)
-    ref, _ = sdpa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
-    eager, _ = eager_attention_forward(attn, q, k, v, torch.zeros(mask.shape).masked_fill(~mask, float("-inf")),
-                                       scaling=attn.scaling)
-    for groups in (None, ((0, 2, 11), (2, 4, 8), (4, 6, 2))):
-        ours, _ = engine.decode_attention(attn, q, k, v, mask, scaling=attn.scaling, row_groups=groups)
-        assert ours.shape == ref.shape == (n, 1, 8, D)
-        assert float((ours - ref).abs().max()) < 1e-6 and float((ours - eager).abs().max()) < 1e-6
+    width = [11, 9, 7, 4, 2, 1, 0]                               # the last row holds no page (a free slot)
+    k[1, :, :3], v[1, :, :3] = k[0, :, :3], v[0, :, :3]          # rows 0 and 1 share their first page
+    pool_k, pool_v = torch.randn(2, 40, page, D, generator=g), torch.randn(2, 40, page, D, generator=g)
+    free, pages, rows, valid, first = iter(torch.randperm(39, generator=g)[:30].add(1).tolist()), [], [], [], None
+    for r, w in enumerate(width):
+        for j in range(-(-w // page)):
+            p = first if (r, j) == (1, 0) else next(free)        # row 1 reads row 0's first page
+            first = p if (r, j) == (0, 0) else first
+            cols = slice(j * page, min(w, (j + 1) * page))
+            w_ = cols.stop - cols.start
+            pool_k[:, p, :w_], pool_v[:, p, :w_] = k[r, :, cols], v[r, :, cols]
+            pages.append(p), rows.append(r), valid.append(cols.stop - cols.start)
+    pages.append(0), rows.append(n), valid.append(1)             # a pad page: row n, dropped
+    ours = engine.paged_attention(q, pool_k, pool_v, Step(n, pages, rows, valid, page), attn.scaling)
+    assert ours.shape == (n, 1, 8, D) and bool((ours[-1] == 0).all())
+    mask = (torch.arange(W) < torch.tensor(width)[:, None])[:n - 1, None, None]   # (n-1, 1, 1, W)
+    ref, _ = sdpa_attention_forward(attn, q[:-1], k[:-1], v[:-1], mask, scaling=attn.scaling)
+    eager, _ = eager_attention_forward(attn, q[:-1], k[:-1], v[:-1],
+                                       torch.zeros(mask.shape).masked_fill(~mask, float("-inf")), scaling=attn.scaling)
+    assert float((ours[:-1] - ref).abs().max()) < 1e-6 and float((ours[:-1] - eager).abs().max()) < 1e-6
 
 
 MIXED = MANY + [list(range(3, 40)), list(range(7, 25))]   # two long prompts among short ones
@@ -478,51 +556,69 @@ MIXED_LIMITS = LIMITS + [6, 13]
 
 
 @pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
-def test_rows_attended_in_width_groups_sample_what_generate_simple_does(build, monkeypatch):
-    # widths rounded to 2 columns and row groups of 2 or more rows, as on CUDA: steps attend
-    # several groups of their own widths, the rows re-sorted at every refill; greedy and keyed
-    # sampling must not notice
-    monkeypatch.setitem(engine.WIDTH_BUCKET, "cpu", 2)
-    monkeypatch.setitem(engine.GROUP_ROWS, "cpu", 2)
-    monkeypatch.setitem(engine.ATTN_CALL, "cpu", 0)     # a call costs nothing: every width its own group
-    monkeypatch.setattr(engine, "ATTN_GROUPS", 4)
-    seen, sorted_rows, groups = [], [], engine._groups
-
-    def watched(st, length, per_column, headroom=0):
-        busy = st.host.busy[:st.n] == 1
-        width = (st.host.pos[:st.n] + 1)[busy]                  # the rows in flight, in cache order
-        sorted_rows.append(bool((width[:-1] >= width[1:]).all()) and busy.sum() == st.host.busy.sum())
-        seen.append(groups(st, length, per_column, headroom))
-        return seen[-1]
-    monkeypatch.setattr(engine, "_groups", watched)
+def test_pages_of_any_size_sample_what_generate_simple_does(build, monkeypatch):
+    # pages of 1, 3 and 8 tokens (rows cross page boundaries at every step, some, or seldom), attended
+    # page by page (CUDA's paged_attention) or in rows (a CPU's row_attention), small budgets that
+    # refill and keep prompts for later copies: greedy and keyed sampling must not notice
     m = build(seed=0)
-    keys = [seeds.key("mixed", i) for i in range(len(MIXED))]
+    prompts, limits = MIXED + MIXED[:3], MIXED_LIMITS + MIXED_LIMITS[:3]   # some prompts twice
+    keys = [seeds.key("mixed", i) for i in range(len(prompts))]
     for temperature, top_p in ((0, 1.0), (0.7, 0.9)):
-        simple = rollout.generate_simple(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=temperature, top_p=top_p,
+        simple = rollout.generate_simple(m, prompts, limits, STOP, PAD, temperature=temperature, top_p=top_p,
                                          seed=3, keys=keys)
-        for rows in (2, 5, None):
-            fast = engine.generate(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=temperature, top_p=top_p, seed=3,
-                                    keys=keys, kv_budget=None if rows is None else budget_for(m, rows, MIXED, MIXED_LIMITS))
+        for page, attend, rows in itertools.product((1, 3, 8), ("pages", "rows"), (1, 3, None)):
+            monkeypatch.setitem(engine.PAGE, "cpu", page)
+            monkeypatch.setitem(engine.ATTEND, "cpu", attend)
+            stats = {}
+            fast = engine.generate(m, prompts, limits, STOP, PAD, temperature=temperature, top_p=top_p, seed=3,
+                                   keys=keys, stats=stats,
+                                   kv_budget=None if rows is None else budget_for(m, rows, prompts, limits))
             assert_same_generation(fast, simple)
-    assert max(len({w for _, _, w in gr}) for gr in seen) >= 3   # steps did attend several widths
-    assert all(sorted_rows)                                       # widest first, all within the step
+            assert stats["own_columns"] <= stats["attended_columns"]
 
 
-def test_row_groups_are_the_cheapest_cut_when_a_call_costs_attn_call(monkeypatch):
-    """Rows widest first; the groups minimise calls x ATTN_CALL + rows x width x elements a
-    column: a cheap call splits at every drop in width, a dear one never, one between them
-    where the width falls most."""
-    import numpy as np
-    st = engine._Rows.empty(6, discard=6, device="cpu")
-    st.host.pos[:], st.host.busy[:], st.n = np.array([99, 98, 97, 9, 8, 7]), 1, 6   # widths 100, 99, 98, 10, 9, 8
-    for call, want in ((50, ((0, 3, 100), (3, 6, 10))),      # 2 calls + 300 + 30 = 430 against 650 in one
-                       (1000, ((0, 6, 100),)),                # nothing costs more than 1000: one call
-                       (0, ((0, 1, 100), (1, 2, 99), (2, 3, 98), (3, 4, 10), (4, 5, 9), (5, 6, 8)))):
-        monkeypatch.setitem(engine.ATTN_CALL, "cpu", call)
-        assert engine._groups(st, length=200, per_column=1) == want
-    st.host.busy[1] = 0     # a row that has ended sits between busy ones: a wider row after it opens a group
-    monkeypatch.setitem(engine.ATTN_CALL, "cpu", 0)
-    assert engine._groups(st, length=200, per_column=1)[:3] == ((0, 1, 100), (1, 2, 1), (2, 3, 98))
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+def test_rows_preempted_when_pages_run_out_sample_what_generate_simple_does(build, monkeypatch):
+    # rows are admitted on the pages their prompts hold, so short prompts with long limits in a
+    # budget of one row outgrow the pool: the latest is preempted and resumes later from its prompt
+    # and tokens; with the CPU's stop check and CUDA's (a row may have stopped unseen when it is
+    # preempted), rows that run to their limit (stop id 64: no token) or stop on STOP
+    m = build(seed=0)
+    prompts = [[5 + i, 6 + i, 7][:2 + i % 2] for i in range(8)] + [PROMPTS[0]]
+    limits = [30 - 2 * i for i in range(len(prompts))]
+    keys = [seeds.key("preempt", i) for i in range(len(prompts))]
+    seen = []
+    for stop, (temperature, top_p) in itertools.product(([64], STOP), ((0, 1.0), (0.7, 0.9))):
+        simple = rollout.generate_simple(m, prompts, limits, stop, PAD, temperature=temperature, top_p=top_p,
+                                         seed=5, keys=keys)
+        for every in (1, 4):
+            monkeypatch.setitem(engine.STOP_EVERY, "cpu", every)
+            stats = {}
+            fast = engine.generate(m, prompts, limits, stop, PAD, temperature=temperature, top_p=top_p, seed=5,
+                                   keys=keys, kv_budget=budget_for(m, 1, prompts, limits), stats=stats)
+            assert_same_generation(fast, simple)
+            assert stats["rows"] > 1
+            seen.append(stats["preempted"])
+    assert min(seen[:4]) > 0             # rows that run to their limit: preempted in every call
+
+
+def test_a_long_prompt_among_short_ones_holds_about_its_rows_own_tokens():
+    """One prompt of 2,000 tokens and 63 of 20, every row to its limit of 16: the call holds K/V
+    for at most 1.2x the tokens its rows have at the end (a cache of rows sized for the longest
+    would hold 64 x 2,016), and all 64 rows run at once in a budget of 1.2x their tokens."""
+    m = tiny_qwen3(seed=0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (2000 if i == 0 else 20,), generator=g).tolist() for i in range(64)]
+    new, bpt = 16, engine.kv_bytes_per_token(m.config, m.dtype)
+    own = sum(len(p) + new for p in prompts)                   # tokens the rows have at the end
+    for budget in (None, int(1.2 * own * bpt)):
+        stats = {}
+        out = engine.generate(m, prompts, new, [64], PAD, temperature=0, kv_budget=budget, stats=stats)
+        assert bool(out.mask.all())                            # every row ran to its limit (64: no token)
+        ratio = stats["kv_bytes"] / (own * bpt)
+        print(f"budget {budget}: K/V held {stats['kv_bytes']:,} B for {own:,} tokens of {bpt} B: {ratio:.3f}x; "
+              f"{stats['rows']} rows at once")
+        assert 1.0 <= ratio <= 1.2 and stats["rows"] == 64
 
 
 def test_prefill_chunks_are_the_cheapest_cut_within_the_token_cap(monkeypatch):
@@ -595,12 +691,13 @@ def test_no_host_sync_inside_a_decode_step_and_the_stop_check_read_once_every_4_
         monkeypatch.setattr(owner, name, inside)
     stats = {}
     engine.generate(m, MIXED * 2, MIXED_LIMITS * 2, STOP, PAD, temperature=0.7, seed=0,
-                     kv_budget=budget_for(m, 5, MIXED, MIXED_LIMITS), stats=stats)
+                     kv_budget=budget_for(m, 2, MIXED, MIXED_LIMITS), stats=stats)
     monkeypatch.undo()
     steps = stats["decode_steps"]
-    assert steps >= 40 and stats["rows"] == 5
+    assert steps >= 40 and 2 <= stats["rows"] < 2 * len(MIXED)
     assert count["step"] == 0                          # sampling, the forward and the counters
-    assert count["loop"] <= steps // 4 + 1 + 1         # the stop check's reads, the output's length
+    # the stop check's reads, the output's length, and a preempted row's state (.cpu, .tolist)
+    assert count["loop"] <= steps // 4 + 1 + 1 + 2 * stats["preempted"]
 
 
 @pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
@@ -617,7 +714,7 @@ def test_the_cuda_stop_check_period_samples_what_generate_simple_does(build, mon
         simple = rollout.generate_simple(m, MIXED, MIXED_LIMITS, stop, PAD, temperature=temperature, top_p=top_p,
                                          seed=4, keys=keys)
         assert simple.finished.sum() >= 2 and not simple.finished.all()   # rows that stop by id, and rows cut
-        for rows in (2, 5, None):
+        for rows in (1, 2, None):
             budget, steps = None if rows is None else budget_for(m, rows, MIXED, MIXED_LIMITS), {}
             for every in (1, 4):   # the CPU's period, then CUDA's
                 monkeypatch.setitem(engine.STOP_EVERY, "cpu", every)
@@ -625,8 +722,9 @@ def test_the_cuda_stop_check_period_samples_what_generate_simple_does(build, mon
                 fast = engine.generate(m, MIXED, MIXED_LIMITS, stop, PAD, temperature=temperature, top_p=top_p, seed=4,
                                        keys=keys, kv_budget=budget, stats=stats)
                 assert_same_generation(fast, simple)
-                steps[every] = stats["decode_steps"]
-            assert steps[4] > steps[1] or rows is None    # rows did run on: refills came later
+                steps[every] = stats["decode_steps"], stats["rows"]
+            assert steps[4][0] >= steps[1][0]              # rows ran on: never fewer steps
+            assert steps[1][1] < len(MIXED) or rows is None   # in a budget, rows waited for pages: refills
 
 
 def test_no_repeat_kv_in_a_decode_step_on_any_transformers_version(monkeypatch):
