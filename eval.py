@@ -23,8 +23,15 @@ Evaluate a base model or a checkpoint through a workflow on a test split:
     said Correct), recall = P(said Correct | solution correct), over the evaluator calls that
     gave a verdict (workflows.parse_verdict without a fallback), each compared with the
     generator turn just before it;
+  * evaluator, also: false accepts (Correct on a wrong attempt, of the wrong ones) and false
+    rejects (Incorrect on a right one, of the right ones);
   * aggregator: selection accuracy = P(the chosen candidate is correct | at least one of its
-    candidates is correct), next to that oracle rate and the plain rate of correct choices;
+    candidates is correct), next to that oracle rate and the plain rate of correct choices,
+    and two references over the same candidates: a uniformly random pick (chance: the share
+    of candidates that are right) and the majority vote by the task's key (ties to the
+    earliest candidate);
+  * what the length cap cut: calls cut per role, graded answers cut, and the accuracy among
+    the answers left whole (cut_counts);
   * orchestrator: parse rate (at least one `STRATEGY k:` line) and mean number of strategies
     (0 when none parsed);
   * every role: mean output length (characters, and tokens where the calls carry
