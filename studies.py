@@ -645,7 +645,7 @@ def report_text(study: str) -> str:
     st = STUDIES[study]
     groups = arms(study)
     if not groups:
-        return f"No runs kept yet (results/{study}/ is empty)."
+        return "\n".join([f"No runs kept yet in results/{study}/.", *(["", *base] if (base := base_rate_lines(study)) else [])])
     rows = {name: arm_row(st, name, runs) for name, runs in groups.items()}
     origins = sorted({origin(run["config"], study) for runs in groups.values() for run, _ in runs}, key=str)
     by = f" ({st.model_by} {{}})" if st.model_by else ""
