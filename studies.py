@@ -721,9 +721,8 @@ def _skill_at(run: dict, where: int) -> dict:
     return {k: None if v is None else 100 * v for k, v in rates.items() if not isinstance(v, dict)}
 
 
-# what each supervisor's skill is read against: (measure, its chance reference), in points
-SKILL_VS = {"aggregator": [("picked", "random"), ("picked", "majority")],
-            "evaluator": [("verdict accuracy", None)]}
+# each supervisor's skill, by the measure a run that logged it has (analysis.eval_rates)
+SKILL_OF = {"aggregator": "picked", "evaluator": "verdict accuracy"}
 
 
 def skill_lines(study: str, groups: dict) -> list:
@@ -738,8 +737,8 @@ def skill_lines(study: str, groups: dict) -> list:
     for name in [a for a in st.order if a in groups] + sorted(set(groups) - set(st.order)):
         runs = [run for run, _ in groups[name]]
         roles = {r for run in runs for r in workflows_roles(run["config"])}
-        for who in [w for w in SKILL_VS if w in roles]:
-            logged = [run for run in runs if _skill_at(run, -1).get(SKILL_VS[who][0][0]) is not None]
+        for who in [w for w in SKILL_OF if w in roles]:
+            logged = [run for run in runs if _skill_at(run, -1).get(SKILL_OF[who]) is not None]
             if not logged:
                 out.append(f"- the {who}'s skill, {name}: not logged (its runs' evaluations predate eval.jsonl's `skill`)")
                 continue
