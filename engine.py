@@ -1124,8 +1124,7 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     decode.count(counts)
     del counts["admitted"]
     if stats is not None:
-        for k, v in counts.items():
-            stats[k] = stats.get(k, 0) + v
+        stats.update({k: stats.get(k, 0) + v for k, v in counts.items()})
         stats["kv_bytes"] = max(stats.get("kv_bytes", 0), cache_bytes(cache))
         stats["rows"] = max(stats.get("rows", 0), st.most)
     out = _output(job)

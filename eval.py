@@ -791,9 +791,8 @@ def _parser():
     e.add_argument("--max-embed-tokens", type=int, default=None,
                    help="tokens kept of a solution embedded in a later prompt (default: the checkpoint run's, "
                    "else none at --scale toy, else tasks.MAX_EMBED_TOKENS)")
-    e.add_argument("--instruction", default=None, metavar="TEXT", help="the generator's instruction on the task "
-                   "for this evaluation instead of the task kind's (a base rate under another wording, e.g. asking "
-                   "for the answer alone; real models only, as the toy model knows its own phrases alone)")
+    e.add_argument("--instruction", default=None, metavar="TEXT", help="the generator's instruction for this "
+                   "evaluation instead of the task kind's (a base rate under another wording; real models only)")
     e.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     e.add_argument("--seed", type=int, default=None, help="seed of the sampler's draws (default: the checkpoint run's "
                    "--seed, so that a checkpoint scores as its run's evaluation did, else 0); --problems N draws its "

@@ -258,7 +258,6 @@ def main(argv=None):
     import torch
     from tqdm import tqdm
 
-    import cudagraphs
     import dynamics
     import grpo
     import parallel
@@ -299,8 +298,6 @@ def main(argv=None):
                         reduce=comm.reduce_grads if comm else None, probe=dyn, intervention=run.damp)
             # 5. log, evaluate, save (a stop that reached any rank stops them all at this step)
             m = runfolder.step_record(run, step, episodes, dyn.summary(run.hyper), (t0, t1, t2, time.time()))
-            if cudagraphs.graphs_status():   # failed captures, or graphs off: decode several times slower
-                m["graph_status"] = cudagraphs.graphs_status()
             runfolder.log_step(run, step, m, episodes, samples)
             if every(args.eval_every, step) or step == args.steps:
                 run_eval(run, step)
@@ -309,8 +306,7 @@ def main(argv=None):
                 runfolder.checkpoint(run, step)
             if run.main:
                 bar.set_postfix(reward=f"{m['reward']:.3f}", acc="-" if run.last_acc is None else f"{run.last_acc:.3f}")
-                say(runfolder.step_line(step, args.steps, m, run.last_acc)
-                    + (f" | graphs {m['graph_status']}" if "graph_status" in m else ""))
+                say(runfolder.step_line(step, args.steps, m, run.last_acc))
             if stopping:
                 stop_now(run, bar, step)
     bar.close()

@@ -274,12 +274,12 @@ def test_hub_deepcoder_loader_stdio_and_function_tests(monkeypatch):
     assert tasks.load_task("deepcoder", "train") == []  # 2 rows: all of them are the test split
 
 
-def test_hand_written_records_as_the_readme_documents_them(tmp_path):
-    """`source` may be left out and a numeric id or answer is accepted (README, "Your own data")."""
+def test_hand_written_records_as_the_docs_document_them(tmp_path):
+    """`source` may be left out and a numeric id or answer is accepted (docs/REAL_MODELS.md, "Your own data")."""
     import re
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    blocks = re.findall(r"```jsonl\n(.*?)```", readme, re.S)
-    assert len(blocks) == 2, "README.md has a ```jsonl block of math records and one of code records"
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "REAL_MODELS.md")).read()
+    blocks = re.findall(r"```jsonl\n(.*?)```", doc, re.S)
+    assert len(blocks) == 2, "docs/REAL_MODELS.md has a ```jsonl block of math records and one of code records"
     path = tmp_path / "mine.jsonl"
     for block, kind in zip(blocks, ("math", "code")):
         path.write_text(block)
