@@ -323,10 +323,10 @@ def test_a_short_prompt_with_a_long_limit_beside_a_long_prompt():
 
 # ----------------------------------------------------------------------------- the reference sampler
 
-def assert_same_generation(fast, simple):
+def assert_same_generation(fast, simple, atol=1e-5):
     assert torch.equal(fast.tokens, simple.tokens)
     assert torch.equal(fast.mask, simple.mask) and torch.equal(fast.finished, simple.finished)
-    assert torch.allclose(fast.logprobs, simple.logprobs, atol=1e-5, rtol=0)
+    assert torch.allclose(fast.logprobs, simple.logprobs, atol=atol, rtol=0), float((fast.logprobs - simple.logprobs).abs().max())
 
 
 @pytest.mark.parametrize("build,seed", [(tiny_qwen3, 0), (tiny_qwen3, 5), (tiny_llama, 0)],
@@ -596,7 +596,9 @@ def test_rows_preempted_when_pages_run_out_sample_what_generate_simple_does(buil
             stats = {}
             fast = engine.generate(m, prompts, limits, stop, PAD, temperature=temperature, top_p=top_p, seed=5,
                                    keys=keys, kv_budget=budget_for(m, 1, prompts, limits), stats=stats)
-            assert_same_generation(fast, simple)
+            # a resumed row's K/V is prefilled again in one pass, not token by token: another
+            # summation order, 1.3e-5 apart at two threads (tokens equal)
+            assert_same_generation(fast, simple, atol=5e-5)
             assert stats["rows"] > 1
             seen.append(stats["preempted"])
     assert min(seen[:4]) > 0             # rows that run to their limit: preempted in every call
