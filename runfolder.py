@@ -1,4 +1,5 @@
-"""The run folder: what a training run writes, and how a stopped or killed run continues.
+"""The run folder: what a training run writes, how a run stops, and how a stopped or killed run
+continues.
 
 Files (every field: docs/RUNFOLDER.md): config.json (with the run's provenance: commit, dirty
 tree, library versions, the base model's sha256), metrics.jsonl (one object per step),
@@ -15,12 +16,17 @@ optimizer, scheduler and damping states), and `done` at the end. Rank 0 alone wr
   step, and a `done` the run will go past. With the same seed a resumed run logs exactly what
   an uninterrupted one would have: the problems of step k and every draw are keyed by the step
   (seeds.py), not by a generator's state.
+- How a run stops (`interrupts`, `aborted`, `stop_now`, `broken`): Ctrl-C or SIGTERM finishes
+  the step, saves ckpt-last and exits 130; a second one aborts at once, saying what was kept; a
+  fork's contract broken mid-run (taskkinds.Refused) ends it in one line, exit 2.
 """
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -374,3 +380,74 @@ def log_step(run, step, m, episodes, samples):
         run.tracker.log(m, step)
     if args.samples_every and (step % args.samples_every == 0 or step == 1):
         log_transcripts(run.files["samples"], step, episodes[:2], samples)
+
+
+# ----------------------------------------------------------------------------- how a run stops
+
+@contextlib.contextmanager
+def broken(run):
+    """A fork's workflow or reward that breaks its contract once the run has started (a branch
+    its dry run did not take, a reward out of [0, 1]: taskkinds.Refused) ends the run in one
+    line, exit 2; a fresh run with no checkpoint yet leaves nothing, so the same command runs
+    again once the fork is fixed."""
+    import taskkinds
+    try:
+        yield
+    except taskkinds.Refused as e:
+        saved = os.path.isdir(os.path.join(run.args.out, "ckpt-last"))
+        if run.main and not run.args.resume and not saved:
+            remove_fresh(run)
+        fail(f"{e}" + (f"; once fixed, --resume {run.args.out} continues from ckpt-last" if saved else ""))
+
+
+@contextlib.contextmanager
+def interrupts():
+    """A list that gets a signal number on Ctrl-C or SIGTERM: the loop finishes its step, saves
+    and exits. A second signal raises KeyboardInterrupt at once."""
+    from tqdm import tqdm
+    stop = []
+
+    def on_signal(signum, frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+        tqdm.write("interrupt: finishing this step, then saving (Ctrl-C again to abort without saving)")
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def aborted(run):
+    """A second Ctrl-C aborts at once: one line on what was kept, no traceback, exit 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"\naborted: this step was not saved; --resume {run.args.out} continues from the last save "
+              "(ckpt-last)", file=sys.stderr)
+        sys.exit(130)
+
+
+def stop_now(run, bar, step):
+    """After a Ctrl-C: the step is saved; say how to continue and exit 130."""
+    import parallel
+    bar.close()
+    if run.main:
+        if run.tracker is not None:
+            run.tracker.close()
+        print(f"interrupted: saved {run.args.out}/ckpt-last at step {step}; continue with --resume {run.args.out}")
+    parallel.close(run.comm)
+    sys.exit(130)
+
+
+def finish(run):
+    import parallel
+    if run.main:
+        if run.tracker is not None:
+            run.tracker.close()
+        mark_done(run.args.out)
+        print(f"done: {run.args.out} (best eval {run.best:.3f}); analyse with `python eval.py --runs {run.args.out}`")
+    parallel.close(run.comm)

@@ -30,11 +30,8 @@ Ctrl-C (or SIGTERM) finishes the step, saves ckpt-last and exits 130; `--resume 
 continues from the last checkpoint whose save finished and, with the same seed, logs the
 same metrics as a run that never stopped.
 """
-import contextlib
 import functools
-import os
 import random
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -150,25 +147,9 @@ def start_run(args, comm):
                 runfolder.remove_fresh(run)
             runfolder.fail(str(e))
     if run.start == 0:
-        with broken(run):
+        with runfolder.broken(run):
             first_eval(run)
     return run
-
-
-@contextlib.contextmanager
-def broken(run):
-    """A fork's workflow or reward that breaks its contract once the run has started (a branch
-    its dry run did not take, a reward out of [0, 1]: taskkinds.Refused) ends the run in one
-    line, exit 2; a fresh run with no checkpoint yet leaves nothing, so the same command runs
-    again once the fork is fixed."""
-    import taskkinds
-    try:
-        yield
-    except taskkinds.Refused as e:
-        saved = os.path.isdir(os.path.join(run.args.out, "ckpt-last"))
-        if run.main and not run.args.resume and not saved:
-            runfolder.remove_fresh(run)
-        runfolder.fail(f"{e}" + (f"; once fixed, --resume {run.args.out} continues from ckpt-last" if saved else ""))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -222,37 +203,6 @@ def every(n, step):
     return bool(n) and step % n == 0
 
 
-@contextlib.contextmanager
-def interrupts():
-    """A list that gets a signal number on Ctrl-C or SIGTERM: the loop finishes its step, saves
-    and exits. A second signal raises KeyboardInterrupt at once."""
-    from tqdm import tqdm
-    stop = []
-
-    def on_signal(signum, frame):
-        if stop:
-            raise KeyboardInterrupt
-        stop.append(signum)
-        tqdm.write("interrupt: finishing this step, then saving (Ctrl-C again to abort without saving)")
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stop
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-@contextlib.contextmanager
-def aborted(run):
-    """A second Ctrl-C aborts at once: one line on what was kept, no traceback, exit 130."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        print(f"\naborted: this step was not saved; --resume {run.args.out} continues from the last save "
-              "(ckpt-last)", file=sys.stderr)
-        sys.exit(130)
-
-
 def main(argv=None):
     args = flags.parse_args(argv, __doc__)
     import torch
@@ -272,7 +222,7 @@ def main(argv=None):
     say = print if args.quiet else tqdm.write
     bar = tqdm(range(run.start + 1, args.steps + 1), desc="train", disable=args.quiet or not run.main,
                initial=run.start, total=args.steps)
-    with interrupts() as stop, aborted(run), broken(run):
+    with runfolder.interrupts() as stop, runfolder.aborted(run), runfolder.broken(run):
         for step in bar:
             t0 = time.time()
             # 1. problems of this step, the same ones whenever the run is resumed (this rank's share)
@@ -308,31 +258,9 @@ def main(argv=None):
                 bar.set_postfix(reward=f"{m['reward']:.3f}", acc="-" if run.last_acc is None else f"{run.last_acc:.3f}")
                 say(runfolder.step_line(step, args.steps, m, run.last_acc))
             if stopping:
-                stop_now(run, bar, step)
+                runfolder.stop_now(run, bar, step)
     bar.close()
-    finish(run)
-
-
-def stop_now(run, bar, step):
-    """After a Ctrl-C: the step is saved; say how to continue and exit 130."""
-    import parallel
-    bar.close()
-    if run.main:
-        if run.tracker is not None:
-            run.tracker.close()
-        print(f"interrupted: saved {run.args.out}/ckpt-last at step {step}; continue with --resume {run.args.out}")
-    parallel.close(run.comm)
-    sys.exit(130)
-
-
-def finish(run):
-    import parallel
-    if run.main:
-        if run.tracker is not None:
-            run.tracker.close()
-        runfolder.mark_done(run.args.out)
-        print(f"done: {run.args.out} (best eval {run.best:.3f}); analyse with `python eval.py --runs {run.args.out}`")
-    parallel.close(run.comm)
+    runfolder.finish(run)
 
 
 if __name__ == "__main__":
