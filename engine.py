@@ -95,6 +95,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import cudagraphs
+import packed
 import policies
 import seeds
 from rollout import Generation, cache_kwarg, check_limits, left_pad, new_cache, row_keys, sample_next
@@ -210,7 +211,8 @@ def _row_count(prompts: int, need: int, bytes_per_token: int, kv_budget, max_row
 def memory_plan(policy, kv_budget: int, args) -> str:
     """One line of memory: weights, trainable weights with AdamW states, the KV budget in pages and
     the rows it holds at the length limits, and the training micro-batch; a user sees at once
-    whether the run fits. On CUDA it also gives the numbers behind the default budget: the free
+    whether the run fits (the micro-batch's activations as policies.activation_bytes counts them,
+    or its layer inputs when checkpointed; its head as the update computes it). On CUDA it also gives the numbers behind the default budget: the free
     memory after loading, KV_FRACTION of it for the cache, and what the rest must hold
     while the cache lives (the AdamW states, made at the first update, and what sampling holds:
     SAMPLE_BYTES a row and vocabulary entry).
@@ -225,8 +227,12 @@ def memory_plan(policy, kv_budget: int, args) -> str:
     cfg, size = p.model.config, next(p.model.parameters()).element_size()
     per_tok = kv_bytes_per_token(cfg, next(p.model.parameters()).dtype)
     prompt = a.max_prompt_tokens or 3 * min(a.max_embed_tokens or a.max_new_tokens, a.max_new_tokens) + 512
-    logits = a.token_budget * cfg.vocab_size * 2 * size        # the logits and their gradient
-    acts = a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size
+    if packed.used(p.model):   # the packed update's head: fp32 chunks of logits, never (tokens, V)
+        head = f"head in chunks of {gib(packed.CHUNK_ELEMS * 4)}"
+    else:                      # the plain update's: the logits and their gradient
+        head = f"logits + grad {gib(a.token_budget * cfg.vocab_size * 2 * size)}"
+    acts = (a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size if p.checkpointing
+            else policies.activation_bytes(cfg, a.token_budget, size))
     device = next(p.model.parameters()).device
     page = PAGE[_kind(device)]
     rows = rows_that_fit(kv_budget, per_tok, prompt + a.max_new_tokens, page)
@@ -239,8 +245,8 @@ def memory_plan(policy, kv_budget: int, args) -> str:
                f"sampling {gib(sampling)} = {gib(kv_budget + 16 * trainable + sampling)}")
     return (f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
             f"{gib(16 * trainable)} | {kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens, page)} "
-            f"({per_tok / 1024:.0f} KiB a token){why} | micro-batch {a.token_budget} tokens: logits + grad {gib(logits)}, "
-            f"layer inputs {gib(acts)}{' (checkpointed)' if p.checkpointing else ' + every activation'}")
+            f"({per_tok / 1024:.0f} KiB a token){why} | micro-batch {a.token_budget} tokens: {head}, "
+            f"{'layer inputs (checkpointed)' if p.checkpointing else 'activations'} {gib(acts)}")
 
 
 # ----------------------------------------------------------------------------- paged attention
