@@ -337,11 +337,12 @@ def flex_rows(n: int) -> int:
 def flex_block_mask(table, width, pool_pages: int, page: int):
     """The BlockMask of a decode step over the pools seen as one sequence of pool_pages x PAGE
     columns: row b attends the first width[b] columns of its pages table[b] (N, P) (the trash
-    page past its own). Its pages but the last are full blocks, which a fused kernel reads with no
-    mask; the last is its one partial block, where mask_mod keeps the columns written. mask_mod
-    alone says the whole mask (a page the row holds; in its last page, the columns written):
-    FlexAttention run eagerly reads no page list and applies mask_mod to every column of the
-    pools, so eager and compiled attend the same columns."""
+    page past its own). A fused kernel visits only the pages a row lists, each through mask_mod;
+    FlexAttention run eagerly reads no list and applies mask_mod to every column of the pools, so
+    mask_mod alone says the whole mask (a page the row holds; in its last page, the columns
+    written) and eager and compiled attend the same columns. No page is listed as full (read with
+    no mask): the decoding kernel then splits the pool, not a row's pages, among its KV splits,
+    and a step of a few long rows would run on a few of the GPU's cores."""
     N, P = table.shape
     count = pages_for(width, page)                                      # (N,) pages a row attends
     k = (count - 1).clamp(min=0)                                        # (N,) its last page's index
@@ -353,9 +354,7 @@ def flex_block_mask(table, width, pool_pages: int, page: int):
     def mask_mod(b, h, q, kv):
         p = kv // page
         return own[b, p] & ((p != last[b]) | (kv % page < valid[b]))
-    i32 = lambda t: t.to(torch.int32)   # noqa: E731
-    return BlockMask.from_kv_blocks(i32(count > 0)[:, None, None], i32(last)[:, None, None, None],
-                                    i32(k)[:, None, None], i32(table)[:, None, None],
+    return BlockMask.from_kv_blocks(count.to(torch.int32)[:, None, None], table.to(torch.int32)[:, None, None],
                                     BLOCK_SIZE=(FLEX_Q_BLOCK, page), mask_mod=mask_mod,
                                     seq_lengths=(1, pool_pages * page), compute_q_blocks=False)
 

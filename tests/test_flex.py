@@ -38,7 +38,7 @@ class FlexStep:
 
 def listed_blocks_attention(q, pool_k, pool_v, mask, scaling):
     """What a fused kernel computes from a BlockMask (eager FlexAttention ignores its lists): row b
-    visits only its listed pages, the partial ones (kv_indices) through mask_mod and the full ones
+    visits only its listed pages, the partial ones (kv_indices) through mask_mod and any full ones
     (full_kv_indices) whole, each once; a row that visits nothing gets zeros."""
     N, Hq, _, D = q.shape
     Hkv, _, page, _ = pool_k.shape
@@ -48,7 +48,7 @@ def listed_blocks_attention(q, pool_k, pool_v, mask, scaling):
         cols = []
         for num, idx, masked in ((mask.kv_num_blocks, mask.kv_indices, True),
                                  (mask.full_kv_num_blocks, mask.full_kv_indices, False)):
-            for p in idx[b, 0, 0, :int(num[b, 0, 0])].tolist():
+            for p in ([] if num is None else idx[b, 0, 0, :int(num[b, 0, 0])].tolist()):
                 kv = torch.arange(p * page, (p + 1) * page)
                 keep = mask.mask_mod(torch.tensor(b), 0, 0, kv) if masked else torch.ones(page, dtype=torch.bool)
                 cols += kv[keep].tolist()
