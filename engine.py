@@ -37,9 +37,17 @@ attends every row over the widest one. `generate` keeps what it samples and chan
   side by side, as wide as the step's widest row, for one SDPA call: fewer, larger ops. This
   replaces the dense cache rows (each sized for the call's longest row), the row groups cut by
   width with their HEADROOM columns to grow into, and the relayout that moved K/V between rows.
-  Its price against a fused paged kernel (FlexAttention's, or varlen_attn's block_table, which
-  torch 2.11 lacks): the gathered pages are written once and read again, about 3x the K/V bytes
-  a step attends.
+  Its price against a fused paged kernel: the gathered pages are written once and read again,
+  about 3x the K/V bytes a step attends.
+- flex attention (`flex_paged_attention`, ATTEND "flex", for a run or a bench to choose): the
+  pools passed whole to FlexAttention, each row's pages named by a block mask
+  (`flex_block_mask`), so the fused kernel torch.compile makes of it reads each attended byte
+  once, a KV head once for all its query heads. On CUDA it is compiled once a process for each
+  row count (`flex_rows`: powers of 4), the pool's size and the tables' width left dynamic, and
+  launched between the graph's pieces as "pages" is. It is not the CUDA default until
+  bench/gpu.sh has timed it on a GPU. A failure (no FlexAttention in the torch, a compile error)
+  falls back to "pages" for the process, said in the step line (`flex_status`); on a CPU it runs
+  eagerly (the same mask over the whole pool) for the tests.
 - no host sync in a decode step: the device keeps its own counters and advances them after
   each sample; the host keeps a copy that decides the schedule (which pages each step attends,
   where each row writes: built on the host, copied in one non-blocking transfer), and learns
@@ -62,12 +70,13 @@ attends every row over the widest one. `generate` keeps what it samples and chan
   copy per head), each row's logits read at its own last position (_last_logits); on a CPU it is
   left-padded with a mask, and nothing is pinned.
 
-Invariants, each a test in tests/test_sampler.py (the engine's spec):
+Invariants, each a test in tests/test_sampler.py (the engine's spec) unless named:
 1. the same samples as generate_simple: tokens, mask (stop token included) and finished flags
    equal, logprobs equal to float rounding, for greedy and keyed sampling, whatever the budget,
-   the refills, the preemptions, the page size and the model (`test_sampling_equals_generate_simple_...`,
-   `test_pages_of_any_size_sample_what_generate_simple_does`, `test_rows_preempted_...`,
-   `test_generate_equals_generate_simple_greedy_...`);
+   the refills, the preemptions, the page size, the attention and the model
+   (`test_sampling_equals_generate_simple_...`, `test_pages_of_any_size_sample_what_generate_simple_does`,
+   `test_rows_preempted_...`, `test_generate_equals_generate_simple_greedy_...`,
+   tests/test_flex.py's `test_flex_generation_...`);
 2. at most `kv_budget` bytes of cache are held (`test_kv_memory_held_never_exceeds_the_budget`),
    and a call holds pages for about its rows' own tokens (`test_a_long_prompt_among_short_ones_...`);
 3. no host read inside a decode step, the stop check read once every STOP_EVERY["cuda"] steps
@@ -76,7 +85,11 @@ Invariants, each a test in tests/test_sampler.py (the engine's spec):
 4. on CUDA, graphs replay what eager steps sample, each adapter's own, every CUDA call names the
    model's device and runs with it current, a failed capture is retried once, and a paper-like
    voter call attends within 1.1x its rows' own widths and, called twice, captures each row
-   bucket once (tests/test_cudagraphs.py, with a stand-in for torch.cuda on a CPU).
+   bucket once (tests/test_cudagraphs.py, with a stand-in for torch.cuda on a CPU);
+5. "flex" attends what paged_attention and row_attention do, eagerly and as a fused kernel reads
+   its block mask (only the pages listed); its compiled function is traced whole, once a row
+   count across pool sizes and steps; and where it is missing or fails to compile, the call
+   samples the same with "pages" and flex_status says why (tests/test_flex.py).
 
 The KV budget's helpers (bytes per token, rows that fit, the default budget) sit here too,
 with `memory_plan`, the line a run prints to say what its memory holds beside the cache.
@@ -459,13 +472,34 @@ def _attend_mode(model, dev) -> str:
     return "pages" if FLEX["refused"] else "flex"
 
 
-def _flex_probe(model, dev) -> None:
-    """The compiled flex_decode on one row of one page in a pool of 3 pages, the model's heads,
-    head size and dtype (a table 2 pages wide: a size-1 dimension would compile apart)."""
+def _flex_probe(model, dev, rows: int = 1) -> None:
+    """The compiled flex_decode on `rows` rows of one page each in a pool of 3 pages, with the
+    model's heads, head size and dtype (tables 2 pages wide: a size-1 dimension would compile
+    apart)."""
     Hq, (Hkv, D) = model.config.num_attention_heads, _kv_heads_and_dim(model.config)
     pool = lambda: torch.zeros(Hkv, 3, PAGE[_kind(dev)], D, dtype=model.dtype, device=dev)  # noqa: E731
-    table, width = torch.tensor([[1, 0]], device=dev), torch.tensor([1], device=dev)
-    _flex_compiled(torch.zeros(1, Hq, 1, D, dtype=model.dtype, device=dev), pool(), pool(), table, width, D ** -0.5)
+    table = torch.tensor([[1, 0]], device=dev).expand(rows, 2).contiguous()     # (rows, 2)
+    width = torch.ones(rows, dtype=torch.long, device=dev)                      # (rows,)
+    _flex_compiled(torch.zeros(rows, Hq, 1, D, dtype=model.dtype, device=dev), pool(), pool(), table, width,
+                   D ** -0.5)
+
+
+def flex_warm_up(model, rows: int) -> str:
+    """Where ATTEND is "flex" and compiled (FLEX_COMPILE), compile it for every row count of
+    flex_rows a call of up to `rows` rows runs, before that call (a bench's timing), so no compile
+    falls inside it (FLEX counts them and their time). Returns the attention such a call uses:
+    "pages" if flex failed."""
+    dev = next(model.parameters()).device
+    N = 1
+    while _attend_mode(model, dev) == "flex" and FLEX_COMPILE[_kind(dev)] and N <= flex_rows(rows):
+        if N not in _FLEX_COMPILED["rows"]:
+            try:
+                with cudagraphs.on_device(dev):
+                    _flex_probe(model, dev, N)
+            except Exception as e:  # noqa: BLE001 - any failure: decode with "pages"
+                _refuse_flex(e)
+        N *= 4
+    return _attend_mode(model, dev)
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged=None,

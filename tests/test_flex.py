@@ -172,7 +172,12 @@ def test_a_compile_that_fails_at_a_new_row_count_finishes_the_call_by_rows_then_
     monkeypatch.setitem(engine.ATTEND, "cpu", "flex")
     monkeypatch.setitem(engine.FLEX_COMPILE, "cpu", True)
 
-    def compiled(fn, **kw):
+    real = torch.compile
+
+    def compiled(fn, **kw):      # eager FlexAttention compiles a function of its own: left alone
+        if fn is not engine.flex_decode:
+            return real(fn, **kw)
+
         def run(q, *a):
             if q.shape[0] > 1:
                 raise RuntimeError("triton compile failed\nat line 2")
@@ -192,3 +197,27 @@ def test_a_compile_that_fails_at_a_new_row_count_finishes_the_call_by_rows_then_
         line = runfolder.step_line(1, 2, {"reward": 0.5, "roles": {}, "tokens_per_s": 10.0, "time": {"step": 1.0},
                                           "attend_status": engine.flex_status()}, None)
     assert line.endswith("| attend pages (flex refused: RuntimeError: triton compile failed)")
+
+
+def test_the_warm_up_compiles_every_row_count_of_a_call_before_it(monkeypatch):
+    """What a bench runs before timing flex: each of flex_rows' row counts up to the call's, once;
+    a failure leaves the call to "pages"."""
+    monkeypatch.setitem(engine.ATTEND, "cpu", "flex")
+    monkeypatch.setitem(engine.FLEX_COMPILE, "cpu", True)
+    seen, real = [], torch.compile
+
+    def compiled(fn, **kw):      # eager FlexAttention compiles a function of its own: left alone
+        if fn is not engine.flex_decode:
+            return real(fn, **kw)
+
+        def run(q, *a):
+            seen.append(q.shape[0])
+            if q.shape[0] > 16:
+                raise RuntimeError("out of resources")
+            return fn(q, *a)
+        return run
+    monkeypatch.setattr(torch, "compile", compiled)
+    m = tiny_qwen3(seed=0)
+    assert engine.flex_warm_up(m, 9) == "flex" and seen == [1, 4, 16] and engine.FLEX["compiles"] == 3
+    assert engine.flex_warm_up(m, 40) == "pages" and seen == [1, 4, 16, 64]
+    assert engine.FLEX["refused"] == "RuntimeError: out of resources"
