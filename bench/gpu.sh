@@ -31,7 +31,8 @@
 #    shape with LoRA r64, 120 rows, W = 512 / 2,560 / 5,120: ms per step (CUDA graphs on), and
 #    the kernel-launching ops and host syncs per step.
 # sampler: greedy parity with model.generate, then tokens/s of engine.generate against
-#    model.generate on a realistic workload (256 prompts, to leave the voting part its time) (bench/generate.py; rows stop at lognormal lengths,
+#    model.generate on a realistic workload of 256 prompts (half of 512, to leave the voting part
+#    its time; bench/generate.py; rows stop at lognormal lengths,
 #    so the row groups change as in a real call: graph captures per call are counted).
 # sdpa: the SDPA kernel PyTorch picks at each call site (decode, prefill, training) and each
 #    kernel's time there, first call on a new shape and steady (bench/sdpa.py).
@@ -102,9 +103,11 @@ part "voting: a paper-like Voting generation, $SCALE shape, $VOTING"
 limit 180 $PY -u bench/generate.py --device "$DEVICE" --config "$SCALE" --workload voting $VOTING --median 0.2 \
     --sigma 0.9 --samplers continuous | tee "$work/voting"
 for a in pages flex; do
-  row "voting generation, $a" "$(grep -o "^voting $a: .*" "$work/voting" | cut -c$(( 10 + ${#a} ))- | grep . || echo 'did not finish')"
+  line=$(grep -o "^voting $a: .*" "$work/voting" | cut -c$(( 10 + ${#a} ))-)
+  row "voting generation, $a" "${line:-did not finish}"
 done
-row "voting tokens/s, flex / pages" "$(grep -o '^voting flex / pages: .*' "$work/voting" | cut -c22- | grep . || echo 'not reached')"
+line=$(grep -o '^voting flex / pages: .*' "$work/voting" | cut -c22-)
+row "voting tokens/s, flex / pages" "${line:-not reached}"
 row "decode graphs in the voting generation" "$(grep -o 'engine: .*' "$work/voting" | tail -1 | cut -c9-)"
 }
 

@@ -249,9 +249,9 @@ def main():
                 print(f"{scale:5s} {gpu:4s} {code:6s} {S:5d} {ms * 1e3:8.1f} "
                       f"{parts['generators'] / 60:10.1f} {parts.get('aggregator', 0) / 60:10.1f} "
                       f"{parts['update'] / 60:7.1f} {total / 60:6.1f} {total * 500 / 86400:7.1f} d")
-    print(f"\n0.6b H200 {args.workflow} step at bw_eff {c['bw_eff']:g}: {step['0.6b', 'H200', 'after'] / 60:.1f} min with "
-          f"\"pages\" (gather_copies {c['gather_copies']:g}), {step['0.6b', 'H200', 'flex'] / 60:.1f} min with \"flex\" "
-          f"(flex_copies {c['flex_copies']:g})")
+    pages, fused = step["0.6b", "H200", "after"] / 60, step["0.6b", "H200", "flex"] / 60
+    print(f"\n0.6b H200 {args.workflow} step at bw_eff {c['bw_eff']:g}: {pages:.1f} min with \"pages\" (gather_copies "
+          f"{c['gather_copies']:g}), {fused:.1f} min with \"flex\" (flex_copies {c['flex_copies']:g})")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import engine
 import rollout
 import seeds
 from conftest import tiny_qwen3
+from test_cudagraphs import fake_cuda, small_cuda_layout  # noqa: F401 - fake_cuda: a fixture
 from test_sampler import MIXED, MIXED_LIMITS, PAD, PROMPTS, STOP, Step, assert_same_generation, budget_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -125,6 +126,22 @@ def test_flex_generation_samples_what_generate_simple_does(monkeypatch):
     fast, stats = generate_with_flex(m, prompts, limits, [64], 1, temperature=0.7, seed=5, keys=keys)
     assert_same_generation(fast, simple, atol=5e-5)     # a resumed row's prefill: another summation order
     assert stats["preempted"] > 0 and stats["rows"] > 1 and engine.FLEX["refused"] == ""
+
+
+def test_flex_between_replayed_graph_pieces_samples_what_generate_simple_does(fake_cuda, monkeypatch):
+    # as on CUDA: each layer's flex attention runs in a hole between captured pieces, reading the
+    # tables the step before it copied out (a replay that read the capture's would sample wrong)
+    import cudagraphs
+    small_cuda_layout(monkeypatch)
+    monkeypatch.setitem(engine.ATTEND, "cpu", "flex")
+    fake_cuda()
+    m = tiny_qwen3(seed=0)
+    keys = [seeds.key("mixed", i) for i in range(len(MIXED))]
+    simple = rollout.generate_simple(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, seed=3, keys=keys)
+    fast, stats = generate_with_flex(m, MIXED, MIXED_LIMITS, STOP, None, temperature=0.7, seed=3, keys=keys)
+    assert_same_generation(fast, simple)
+    g = cudagraphs.GRAPHS
+    assert g["eager_steps"] == 0 and g["replays"] > g["captures"] > 0 and engine.FLEX["refused"] == ""
 
 
 def test_the_compiled_function_is_traced_whole_and_once_a_row_count_across_pools_and_steps(monkeypatch):
