@@ -37,9 +37,17 @@ attends every row over the widest one. `generate` keeps what it samples and chan
   side by side, as wide as the step's widest row, for one SDPA call: fewer, larger ops. This
   replaces the dense cache rows (each sized for the call's longest row), the row groups cut by
   width with their HEADROOM columns to grow into, and the relayout that moved K/V between rows.
-  Its price against a fused paged kernel (FlexAttention's, or varlen_attn's block_table, which
-  torch 2.11 lacks): the gathered pages are written once and read again, about 3x the K/V bytes
-  a step attends.
+  Its price against a fused paged kernel: the gathered pages are written once and read again,
+  about 3x the K/V bytes a step attends.
+- flex attention (`flex_paged_attention`, ATTEND "flex", for a run or a bench to choose): the
+  pools passed whole to FlexAttention, each row's pages named by a block mask
+  (`flex_block_mask`), so the fused kernel torch.compile makes of it reads each attended byte
+  once, a KV head once for all its query heads. On CUDA it is compiled once a process for each
+  row count (`flex_rows`: powers of 4), the pool's size and the tables' width left dynamic, and
+  launched between the graph's pieces as "pages" is. It is not the CUDA default until
+  bench/gpu.sh has timed it on a GPU. A failure (no FlexAttention in the torch, a compile error)
+  falls back to "pages" for the process, said in the step line (`flex_status`); on a CPU it runs
+  eagerly (the same mask over the whole pool) for the tests.
 - no host sync in a decode step: the device keeps its own counters and advances them after
   each sample; the host keeps a copy that decides the schedule (which pages each step attends,
   where each row writes: built on the host, copied in one non-blocking transfer), and learns
@@ -62,12 +70,13 @@ attends every row over the widest one. `generate` keeps what it samples and chan
   copy per head), each row's logits read at its own last position (_last_logits); on a CPU it is
   left-padded with a mask, and nothing is pinned.
 
-Invariants, each a test in tests/test_sampler.py (the engine's spec):
+Invariants, each a test in tests/test_sampler.py (the engine's spec) unless named:
 1. the same samples as generate_simple: tokens, mask (stop token included) and finished flags
    equal, logprobs equal to float rounding, for greedy and keyed sampling, whatever the budget,
-   the refills, the preemptions, the page size and the model (`test_sampling_equals_generate_simple_...`,
-   `test_pages_of_any_size_sample_what_generate_simple_does`, `test_rows_preempted_...`,
-   `test_generate_equals_generate_simple_greedy_...`);
+   the refills, the preemptions, the page size, the attention and the model
+   (`test_sampling_equals_generate_simple_...`, `test_pages_of_any_size_sample_what_generate_simple_does`,
+   `test_rows_preempted_...`, `test_generate_equals_generate_simple_greedy_...`,
+   tests/test_flex.py's `test_flex_generation_...`);
 2. at most `kv_budget` bytes of cache are held (`test_kv_memory_held_never_exceeds_the_budget`),
    and a call holds pages for about its rows' own tokens (`test_a_long_prompt_among_short_ones_...`);
 3. no host read inside a decode step, the stop check read once every STOP_EVERY["cuda"] steps
@@ -76,7 +85,11 @@ Invariants, each a test in tests/test_sampler.py (the engine's spec):
 4. on CUDA, graphs replay what eager steps sample, each adapter's own, every CUDA call names the
    model's device and runs with it current, a failed capture is retried once, and a paper-like
    voter call attends within 1.1x its rows' own widths and, called twice, captures each row
-   bucket once (tests/test_cudagraphs.py, with a stand-in for torch.cuda on a CPU).
+   bucket once (tests/test_cudagraphs.py, with a stand-in for torch.cuda on a CPU);
+5. "flex" attends what paged_attention and row_attention do, eagerly and as a fused kernel reads
+   its block mask (only the pages listed); its compiled function is traced whole, once a row
+   count across pool sizes and steps; and where it is missing or fails to compile, the call
+   samples the same with "pages" and flex_status says why (tests/test_flex.py).
 
 The KV budget's helpers (bytes per token, rows that fit, the default budget) sit here too,
 with `memory_plan`, the line a run prints to say what its memory holds beside the cache.
@@ -84,6 +97,8 @@ Run `python bench/generate.py` for its speed against model.generate and generate
 """
 import contextlib
 import math
+import sys
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -93,6 +108,13 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+try:   # ATTEND "flex"; a torch without FlexAttention decodes with "pages" (FLEX["refused"] says why)
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    FLEX_MISSING = ""
+except ImportError as e:
+    BlockMask = flex_attention = None
+    FLEX_MISSING = str(e)
 
 import cudagraphs
 import packed
@@ -125,7 +147,16 @@ PAGE = {"cuda": 64, "cpu": 8}
 # the K/V read is the cost. "rows": each row's pages gathered into one row as wide as the step's
 # widest, then one SDPA call (row_attention): on a CPU, where each op's overhead counts, about
 # half the time of "pages" at the small shape of bench/generate.py (it attends the padding).
+# "flex": FlexAttention over the pools themselves (flex_paged_attention), each row's pages named
+# by a block mask, so a fused kernel reads each attended K/V byte once; compiled where
+# FLEX_COMPILE. CUDA keeps "pages" until bench/gpu.sh has timed "flex" on a GPU (a bench or a
+# run sets ATTEND["cuda"] = "flex"; bench/generate.py --attend); if flex fails there it falls back
+# to "pages" for the process, said in the step line (flex_status).
 ATTEND = {"cuda": "pages", "cpu": "rows"}
+# Whether ATTEND "flex" runs torch.compile's fused kernel (made once a process) or FlexAttention
+# eagerly, which ignores the block mask's page lists and masks every column of the pools (a CPU's
+# tests: the same function and mask, the whole pool attended).
+FLEX_COMPILE = {"cuda": True, "cpu": False}
 # generate calls' weights whose decode graphs (and the buffers they read) are kept: one a role's
 # adapter under --sharing isolated; the oldest go first
 KEEP_WEIGHTS = 8
@@ -301,6 +332,182 @@ def row_attention(query, pool_k, pool_v, step, scaling: float):
     return out.reshape(n, 1, Hq, D)
 
 
+# ----------------------------------------------------------------------------- flex attention
+
+FLEX_Q_BLOCK = 128   # the block mask's query tile, which holds the one query: the decoding kernel
+                     # needs a multiple of its 16-row tile (a tile of 1 leaves it no config)
+# What ATTEND "flex" did in this process: its compiles (one a padded row count, each timed with
+# its first run) and the first failure, which turned it off ("" if none)
+FLEX = {"compiles": 0, "compile_s": 0.0, "refused": ""}
+_FLEX_COMPILED = {"rows": set()}   # "fn": the compiled flex_decode; "rows": the row counts it has run
+
+
+def flex_rows(n: int) -> int:
+    """Rows a flex call runs for n: the next power of 4. The compiled kernel is specialised to its
+    row count (the decoding kernel, which reads a KV head once for all its query heads, needs it
+    static), so powers of 4 keep the compiles to 6 up to 1,024 rows; a padded row lists no page,
+    and the kernel skips it."""
+    N = 1
+    while N < n:
+        N *= 4
+    return N
+
+
+def flex_block_mask(table, width, pool_pages: int, page: int):
+    """The BlockMask of a decode step over the pools seen as one sequence of pool_pages x PAGE
+    columns: row b attends the first width[b] columns of its pages table[b] (N, P) (the trash
+    page past its own). A fused kernel visits only the pages a row lists, each through mask_mod;
+    FlexAttention run eagerly reads no list and applies mask_mod to every column of the pools, so
+    mask_mod alone says the whole mask (a page the row holds; in its last page, the columns
+    written) and eager and compiled attend the same columns. No page is listed as full (read with
+    no mask): the decoding kernel then splits the pool, not a row's pages, among its KV splits,
+    and a step of a few long rows would run on a few of the GPU's cores."""
+    N, P = table.shape
+    count = pages_for(width, page)                                      # (N,) pages a row attends
+    k = (count - 1).clamp(min=0)                                        # (N,) its last page's index
+    last = table.gather(1, k[:, None])[:, 0]                            # (N,) its last page
+    valid = width - k * page                                            # (N,) columns written there
+    listed = torch.arange(P, device=table.device) < count[:, None]     # (N, P)
+    own = torch.zeros(N, pool_pages, dtype=torch.bool, device=table.device).scatter_(1, table, listed)
+
+    def mask_mod(b, h, q, kv):
+        p = kv // page
+        return own[b, p] & ((p != last[b]) | (kv % page < valid[b]))
+    return BlockMask.from_kv_blocks(count.to(torch.int32)[:, None, None], table.to(torch.int32)[:, None, None],
+                                    BLOCK_SIZE=(FLEX_Q_BLOCK, page), mask_mod=mask_mod,
+                                    seq_lengths=(1, pool_pages * page), compute_q_blocks=False)
+
+
+def flex_decode(query, pool_k, pool_v, table, width, scaling: float):
+    """FlexAttention of one-token queries (N, Hq, 1, D) over the pools (Hkv, pages, PAGE, D) seen
+    as one sequence (KV batch 1, broadcast to the N rows; enable_gqa pairs query head h with KV
+    head h // g, as repeat_kv does, with no copy), each row over its own columns
+    (flex_block_mask). What torch.compile fuses: the block mask is built inside, from the plan's
+    (N, P) tables and (N,) widths, so the compiled graph takes only tensors. Returns (N, Hq, 1, D)."""
+    Hkv, pages, page, D = pool_k.shape
+    mask = flex_block_mask(table, width, pages, page)
+    k, v = pool_k.view(1, Hkv, pages * page, D), pool_v.view(1, Hkv, pages * page, D)
+    return flex_attention(query, k, v, block_mask=mask, scale=scaling, enable_gqa=True)
+
+
+def flex_paged_attention(query, pool_k, pool_v, step, scaling: float):
+    """One-token queries (n, Hq, 1, D) over their rows' pages by FlexAttention (flex_decode):
+    step.table (N, P) each row's pages (the trash page past its own) and step.width (N,) its
+    columns, N = flex_rows(n), the rows past n with none. Where FLEX_COMPILE, the compiled
+    function; if it fails (a new row count's compile), flex is off for the process
+    (_refuse_flex) and this step attends with row_attention over the same tables. Returns
+    (n, 1, Hq, D)."""
+    n, N = query.shape[0], step.width.shape[0]
+    kind = _kind(query.device)
+    if not FLEX["refused"]:
+        q = F.pad(query, (0, 0, 0, 0, 0, 0, 0, N - n))                    # (N, Hq, 1, D)
+        if not FLEX_COMPILE[kind]:
+            return flex_decode(q, pool_k, pool_v, step.table, step.width, scaling)[:n].transpose(1, 2)
+        try:
+            return _flex_compiled(q, pool_k, pool_v, step.table, step.width, scaling)[:n].transpose(1, 2)
+        except Exception as e:  # noqa: BLE001 - any failure: "pages" from the next call on
+            _refuse_flex(e)
+    W = step.table.shape[1] * pool_k.shape[2]
+    own = torch.arange(W, device=query.device) < step.width[:n, None].clamp(min=1)   # (n, W) a free row: 1 column
+    return row_attention(query, pool_k, pool_v, _RowTables(step.table[:n], own[:, None, None]), scaling)
+
+
+@dataclass
+class _RowTables:
+    """What row_attention reads: (n, P) each row's pages, (n, 1, 1, P x PAGE) its columns."""
+    table: torch.Tensor
+    row_mask: torch.Tensor
+
+
+def _flex_compiled(q, pool_k, pool_v, table, width, scaling: float):
+    """flex_decode compiled, made at its first call in the process: fullgraph (a graph break would
+    run FlexAttention eagerly, over every column of the pools) and static but for the pools' page
+    count and the tables' width, marked dynamic at each call (they change with every generate
+    call and step), so each row count of flex_rows compiles once; dynamo's recompile limit is
+    raised to hold them all. A new row count's first run is counted in FLEX with its time."""
+    if "fn" not in _FLEX_COMPILED:
+        if flex_attention is None:
+            raise RuntimeError(f"no FlexAttention in torch {torch.__version__} ({FLEX_MISSING})")
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, 32)
+        _FLEX_COMPILED["fn"] = torch.compile(flex_decode, fullgraph=True, dynamic=False)
+    for t in (pool_k, pool_v, table):
+        torch._dynamo.maybe_mark_dynamic(t, 1)
+    if q.shape[0] in _FLEX_COMPILED["rows"]:
+        return _FLEX_COMPILED["fn"](q, pool_k, pool_v, table, width, scaling)
+    t0 = time.perf_counter()
+    out = _FLEX_COMPILED["fn"](q, pool_k, pool_v, table, width, scaling)
+    FLEX["compiles"] += 1
+    FLEX["compile_s"] += time.perf_counter() - t0
+    _FLEX_COMPILED["rows"].add(q.shape[0])
+    return out
+
+
+def _refuse_flex(e: BaseException) -> None:
+    """Flex off for the process, its first cause kept in FLEX["refused"] and said once on stderr
+    and, through flex_status, in train.py's step line and metrics.jsonl."""
+    cause = cudagraphs.first_cause(e)
+    FLEX["refused"] = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:200]}"
+    print(f"engine: no flex attention for the rest of this process ({FLEX['refused']}); decoding with "
+          "\"pages\"", file=sys.stderr)
+
+
+def flex_status() -> str:
+    """'' unless ATTEND "flex" failed in this process; then what a run's step line and
+    metrics.jsonl say: decoding with "pages", and why."""
+    return f"pages (flex refused: {FLEX['refused']})" if FLEX["refused"] else ""
+
+
+def _attend_mode(model, dev) -> str:
+    """How this call's decode steps attend: ATTEND[kind], but "pages" once flex has failed in the
+    process. The first "flex" call where FLEX_COMPILE runs the compiled function once on a
+    small input of the model's shapes (_flex_probe), outside any graph capture: its first
+    compile, and a failure there (no FlexAttention in this torch, a compile error) is refused
+    before any step."""
+    kind = _kind(dev)
+    if ATTEND[kind] != "flex":
+        return ATTEND[kind]
+    if not FLEX["refused"] and flex_attention is None:
+        _refuse_flex(ImportError(FLEX_MISSING))
+    if not FLEX["refused"] and FLEX_COMPILE[kind] and not _FLEX_COMPILED["rows"]:
+        try:
+            with cudagraphs.on_device(dev):
+                _flex_probe(model, dev)
+        except Exception as e:  # noqa: BLE001 - any failure: decode with "pages"
+            _refuse_flex(e)
+    return "pages" if FLEX["refused"] else "flex"
+
+
+def _flex_probe(model, dev, rows: int = 1) -> None:
+    """The compiled flex_decode on `rows` rows of one page each in a pool of 3 pages, with the
+    model's heads, head size and dtype (tables 2 pages wide: a size-1 dimension would compile
+    apart)."""
+    Hq, (Hkv, D) = model.config.num_attention_heads, _kv_heads_and_dim(model.config)
+    pool = lambda: torch.zeros(Hkv, 3, PAGE[_kind(dev)], D, dtype=model.dtype, device=dev)  # noqa: E731
+    table = torch.tensor([[1, 0]], device=dev).expand(rows, 2).contiguous()     # (rows, 2)
+    width = torch.ones(rows, dtype=torch.long, device=dev)                      # (rows,)
+    _flex_compiled(torch.zeros(rows, Hq, 1, D, dtype=model.dtype, device=dev), pool(), pool(), table, width,
+                   D ** -0.5)
+
+
+def flex_warm_up(model, rows: int) -> str:
+    """Where ATTEND is "flex" and compiled (FLEX_COMPILE), compile it for every row count of
+    flex_rows a call of up to `rows` rows runs, before that call (a bench's timing), so no compile
+    falls inside it (FLEX counts them and their time). Returns the attention such a call uses:
+    "pages" if flex failed."""
+    dev = next(model.parameters()).device
+    N = 1
+    while _attend_mode(model, dev) == "flex" and FLEX_COMPILE[_kind(dev)] and N <= flex_rows(rows):
+        if N not in _FLEX_COMPILED["rows"]:
+            try:
+                with cudagraphs.on_device(dev):
+                    _flex_probe(model, dev, N)
+            except Exception as e:  # noqa: BLE001 - any failure: decode with "pages"
+                _refuse_flex(e)
+        N *= 4
+    return _attend_mode(model, dev)
+
+
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged=None,
                      **kwargs):
     """transformers' attention function while `generate` runs (registered as ATTENTION). A decode
@@ -318,6 +525,7 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 AttentionInterface.register(ATTENTION, decode_attention)
+ATTENTION_FUNCTIONS = {"pages": paged_attention, "rows": row_attention, "flex": flex_paged_attention}   # by ATTEND
 
 
 @contextlib.contextmanager
@@ -353,12 +561,14 @@ class _Writes:
 
     def __init__(self, heads: int, page: int, pages: int, capacity: int, rows: int, device):
         self.heads, self.page, self.pool_pages = heads, page, pages
-        self.meta = torch.zeros(2 * rows + 3 * capacity, dtype=torch.long, device=device)
+        # the larger of "pages"' 3 numbers a page (capacity pages) and "flex"'s P + 1 a row (N < 4 x rows)
+        self.meta = torch.zeros(2 * rows + 4 * (rows + capacity), dtype=torch.long, device=device)
         self.head = torch.arange(heads, device=device)
         self.columns = torch.arange(page, device=device)
-        self.is_prefill = False
+        self.is_prefill, self.mode = False, "pages"   # mode: how decode steps attend (_attend_mode)
         self.at = self.pages = self.rows = self.rows_q = self.mask = None
-        self.table = self.row_mask = None   # ATTEND "rows": (n, P) pages, (n, 1, 1, P x PAGE) columns
+        self.table = self.row_mask = None   # "rows": (n, P) pages, (n, 1, 1, P x PAGE) columns; "flex": (N, P) pages
+        self.width = None                   # "flex": (N,) columns each row attends
 
     def slots(self, page, offset):
         """Flat indices (..., H) into a layer's (H * pages * PAGE, D) view: head, page, offset."""
@@ -371,10 +581,16 @@ class _Writes:
         self.at = self.slots(page, offset)                              # (N, P, H)
 
     def decode(self, n: int, C: int) -> None:
-        """Views of meta for a step of n rows attending C pages, and what every layer shares."""
+        """Views of meta for a step of n rows attending C pages (for "flex": tables C pages wide,
+        copied out of meta, so the compiled function sees tensors of their own), and what every
+        layer shares."""
         m = self.meta
         self.is_prefill = False
         self.at = self.slots(m[:n], m[n:2 * n]).reshape(-1)            # (n * H,) each row's write, per head
+        if self.mode == "flex":
+            N = flex_rows(n)
+            self.width, self.table = m[2 * n:2 * n + N].clone(), m[2 * n + N:2 * n + N + N * C].view(N, C).clone()
+            return
         self.pages, self.rows = m[2 * n:2 * n + C], m[2 * n + C:2 * n + 2 * C]      # (C,), (C,) rows in [0, n]
         self.rows_q = self.rows.clamp(max=n - 1)                        # a pad page (row n) reads any query
         self.mask = (self.columns < m[2 * n + 2 * C:2 * n + 3 * C, None])[:, None, None]   # (C, 1, 1, PAGE)
@@ -965,8 +1181,7 @@ class _Slots:
         """Layer i of a decode step: its new K/V into the call's pool, then the rows' pages."""
         layer = self.cache.layers[i]
         layer.write(key_states, value_states)
-        attend = row_attention if self.writes.table is not None else paged_attention
-        return attend(query, layer.keys, layer.values, self.writes, scaling)
+        return ATTENTION_FUNCTIONS[self.writes.mode](query, layer.keys, layer.values, self.writes, scaling)
 
 
 _KEPT = {}   # (device, weights) -> _Slots of graphed calls, at most KEEP_WEIGHTS, oldest first
@@ -1013,35 +1228,55 @@ class _Decoder:
         self.job, self.counts = job, counts
         slots.cache, slots.writes = cache, writes
         self.cache_kw = cache_kwarg(model)
-        self.rows = ATTEND[_kind(st.dev.out.device)] == "rows"
+        self.mode = writes.mode = _attend_mode(model, st.dev.out.device)   # "pages", "rows" or "flex"
         self.eager_steps = self.attended = self.own = 0
 
     def plan(self) -> int:
         """Give every busy row a page for its write (preempting rows if the pool has too few,
-        _make_room), fill writes.meta with the step's numbers (one copy to the device), and return
-        the pages attended (C)."""
+        _make_room), fill writes.meta with the step's numbers (one copy to the device): where each
+        row writes, then what it attends as the step's attention reads it; return what
+        writes.decode needs: the pages attended (C), or for "flex" the tables' width."""
         st, pg = self.st, self.st.pages
         _make_room(st, self.job, self.counts)
         n, h, page = st.n, st.host, pg.page
         width = (h.pos[:n] + 1) * h.busy[:n]                         # (n,) columns each row attends, 0 if free
         count = pages_for(width, page)                               # (n,)
-        rows = np.repeat(np.arange(n), count)                        # (C,) each page's row
-        k = np.arange(len(rows)) - np.repeat(np.cumsum(count) - count, count)   # (C,) its index in the row
-        pages, valid = pg.table[rows, k], np.minimum(page, width[rows] - k * page)
         write = np.where(h.busy[:n] == 1, pg.table[np.arange(n), h.pos[:n] // page], 0)   # (n,) free slots: trash
-        meta = np.concatenate([write, np.where(h.busy[:n] == 1, h.pos[:n] % page, 0), pages, rows, valid])
+        offset = np.where(h.busy[:n] == 1, h.pos[:n] % page, 0)
+        attended, C = self._flex_tables(width, count) if self.mode == "flex" else self._pages(width, count)
+        meta = np.concatenate([write, offset, *attended])
         self.writes.meta[:len(meta)].copy_(_to(meta, self.writes.meta.device), non_blocking=True)
         self.own += int(width.sum())
-        if self.rows:     # the pages of each row side by side, as many as the widest row's
-            P = int(count.max())
-            table = np.where(np.arange(P) < count[:, None], pg.table[:n, :P], 0)              # (n, P)
-            own = np.arange(P * page) < np.maximum(width, 1)[:, None]    # a free slot: one trash column, not NaN
-            self.writes.table, self.writes.row_mask = _to(table, self.writes.meta.device), \
-                _to(own, self.writes.meta.device)[:, None, None]
-            self.attended += n * P * page
-        else:
-            self.attended += len(rows) * page
-        return len(rows)
+        self.attended += self._row_tables(width, count) if self.mode == "rows" else int(count.sum()) * page
+        return C
+
+    def _pages(self, width, count):
+        """Every page attended, its row (its index in the row) and its valid columns; and C, how many."""
+        pg = self.st.pages
+        rows = np.repeat(np.arange(len(width)), count)                        # (C,) each page's row
+        k = np.arange(len(rows)) - np.repeat(np.cumsum(count) - count, count)   # (C,) its index in the row
+        return [pg.table[rows, k], rows, np.minimum(pg.page, width[rows] - k * pg.page)], len(rows)
+
+    def _row_tables(self, width, count) -> int:
+        """"rows": the pages of each row side by side, as many as the widest row's, and its own
+        columns, each in one copy to the device; returns the columns attended."""
+        n, page, dev = len(width), self.st.pages.page, self.writes.meta.device
+        P = int(count.max())
+        table = np.where(np.arange(P) < count[:, None], self.st.pages.table[:n, :P], 0)     # (n, P)
+        own = np.arange(P * page) < np.maximum(width, 1)[:, None]    # a free slot: one trash column, not NaN
+        self.writes.table, self.writes.row_mask = _to(table, dev), _to(own, dev)[:, None, None]
+        return n * P * page
+
+    def _flex_tables(self, width, count):
+        """"flex": the columns of each row and its pages (the trash page past its own), for
+        flex_rows(n) rows (the padding attends nothing); and P, the tables' width, at least 2 (a
+        dimension of size 1 would compile apart)."""
+        n, pg = len(width), self.st.pages
+        N, P = flex_rows(n), max(int(count.max()), 2)
+        cols = min(P, pg.table.shape[1])
+        table = np.zeros((N, P), dtype=np.int64)                                            # (N, P)
+        table[:n, :cols] = np.where(np.arange(cols) < count[:, None], pg.table[:n, :cols], 0)
+        return [np.pad(width, (0, N - n)), table.ravel()], P
 
     def forward(self, n: int) -> None:
         s = self.slots

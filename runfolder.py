@@ -355,6 +355,9 @@ def step_record(run, step, episodes, stats, times):
     import cudagraphs   # torch-backed, as the sampler it serves: only once a step has run
     if cudagraphs.graphs_status():   # failed captures, or graphs off: decode several times slower
         m["graph_status"] = cudagraphs.graphs_status()
+    import engine   # as cudagraphs: loaded by the sampler once a step has run
+    if engine.flex_status():         # ATTEND "flex" failed: decoding with "pages" instead
+        m["attend_status"] = engine.flex_status()
     return m
 
 
@@ -367,7 +370,8 @@ def step_line(step, steps, m, last_acc):
     return (f"step {step:4d}/{steps} | reward {m['reward']:.3f} | eval {acc} | len {fmt('len', '.1f')} | "
             f"clip {max((q.get('clip_frac') or 0 for q in roles.values()), default=0):.3f} | "
             f"gnorm {fmt('grad_norm', '.3f')} | {m['tokens_per_s']:.0f} tok/s | {m['time']['step']:.1f}s"
-            + (f" | graphs {m['graph_status']}" if "graph_status" in m else ""))
+            + (f" | graphs {m['graph_status']}" if "graph_status" in m else "")
+            + (f" | attend {m['attend_status']}" if "attend_status" in m else ""))
 
 
 def log_step(run, step, m, episodes, samples):

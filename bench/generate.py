@@ -6,6 +6,7 @@
     python bench/generate.py --device cuda --config 0.6b --prompts 512 --slots 256 --new 512
     python bench/generate.py --check --device cuda                 # greedy parity, tiny model
     python bench/generate.py --device cuda --config 0.6b --workload voting --samplers continuous --repeats 1
+    python bench/generate.py --device cuda --config 0.6b --workload voting --attend pages,flex
 
 Every sampler gets the same model, prompts and sampling settings (temperature, top_p=1). The stop
 id is one the prompts never hold and the random model (almost) never samples, so a row runs to
@@ -26,7 +27,10 @@ same figure for every sampler. Workloads:
   length, so random weights end where a real model's long tail would. One engine.generate call in
   the default KV budget; it prints tokens/s and the share of the GPU's peak bandwidth that the
   bytes a decode needs (the weights once a step, each row's own K/V columns) reach
-  (--peak-tb-s, known for H100 and H200).
+  (--peak-tb-s, known for H100 and H200). `--attend pages,flex` times each decode attention
+  (engine.ATTEND) on the same prompts and lengths and prints flex's tokens/s over pages'; flex is
+  compiled for every row count before its timed call (engine.flex_warm_up: those compiles are
+  counted and timed apart), and if it fails the line says so and why.
 Each sampler runs once to warm up (its first --slots rows, 8 tokens each), then --repeats times, interleaved, best time kept (these
 machines are shared and noisy; only ratios within one run mean anything). On a CPU device the
 time is the process's CPU time by default (`--clock cpu`; run with OMP_NUM_THREADS=1), which other
@@ -39,6 +43,7 @@ import sys
 import time
 
 import torch
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudagraphs  # noqa: E402
@@ -160,16 +165,37 @@ PEAK_TB_S = {"H100": 3.35, "H200": 4.8}   # HBM bandwidth by the device's name
 
 
 def voting(model, args) -> None:
-    """The voting workload (see the docstring): one timed call after a short warm-up call."""
+    """The voting workload (see the docstring): for each of --attend, one timed call after a short
+    warm-up call, on the same prompts and lengths; then flex's tokens/s over pages' when both ran."""
     g = torch.Generator().manual_seed(0)
     V, rows = model.config.vocab_size, args.problems * args.rollouts
     lens = torch.randint(150, 351, (args.problems,), generator=g).tolist()
     distinct = [torch.randint(3, V - 2, (n,), generator=g).tolist() for n in lens]
     prompts = [distinct[i // args.rollouts] for i in range(rows)]
     limits = lognormal_limits(rows, args.new, args.median, args.sigma, seed=2)
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    rate = {}
+    for attend in (args.attend or engine.ATTEND[kind]).split(","):
+        engine.ATTEND[kind] = attend
+        rate[attend] = voting_call(model, args, attend, prompts, limits)
+    if "pages" in rate and "flex" in rate:
+        print(f"voting flex / pages: {rate['flex'] / rate['pages']:.2f}x tokens/s (the same prompts and lengths)"
+              + (f"; flex refused: {engine.FLEX['refused']}" if engine.FLEX["refused"] else ""), flush=True)
+
+
+def voting_call(model, args, attend: str, prompts: list, limits: list) -> float:
+    """One timed engine.generate of the voting rows with decode attention `attend`, after a warm-up
+    call (and for flex, its compiles for every row count: engine.flex_warm_up); prints its line
+    and returns its tokens/s."""
+    V, rows, cuda = model.config.vocab_size, len(prompts), args.device.startswith("cuda")
     budget = engine.default_kv_budget(args.device)
+    t0 = time.perf_counter()
+    used = engine.flex_warm_up(model, rows) if attend == "flex" else attend
+    fused = attend == "flex" and engine.FLEX_COMPILE["cuda" if cuda else "cpu"]   # else FlexAttention runs eagerly
+    compiled = (f"; {engine.FLEX['compiles']} flex compiles before it ({time.perf_counter() - t0:.1f} s)"
+                if fused else "")
     engine.generate(model, prompts[:8], [8] * 8, [V - 1], 0, temperature=args.temperature, kv_budget=budget)
-    stats, cuda = {}, args.device.startswith("cuda")
+    stats, graphs = {}, counters["stats"]["unique_graphs"]
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -184,12 +210,16 @@ def voting(model, args) -> None:
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     peak = args.peak_tb_s or next((v for k, v in PEAK_TB_S.items() if k in name), None)
     share = f"{need / t / (peak * 1e12):.0%} of {peak} TB/s" if peak else "no peak known (--peak-tb-s)"
-    print(f"voting: {rows} rows ({args.problems} prompts x {args.rollouts}), {sum(limits)} tokens (limits mean "
-          f"{sum(limits) / rows:.0f}, max {max(limits)}) in {t:.1f} s: {sum(limits) / t:.0f} tok/s; {stats['decode_steps']} "
-          f"decode steps ({t / stats['decode_steps'] * 1e3:.1f} ms each, prefills included), at most {stats['rows']} rows "
-          f"at once; attended {stats['attended_columns'] / stats['own_columns']:.3f}x the rows' own columns; the "
-          f"weights and own K/V a decode needs, {need / t / 1e12:.2f} TB/s: {share}", flush=True)
+    late = counters["stats"]["unique_graphs"] - graphs
+    print(f"voting {attend}: {rows} rows ({rows // args.rollouts} prompts x {args.rollouts}), {sum(limits)} tokens "
+          f"(limits mean {sum(limits) / rows:.0f}, max {max(limits)}) in {t:.1f} s: {sum(limits) / t:.0f} tok/s; "
+          f"{stats['decode_steps']} decode steps ({t / stats['decode_steps'] * 1e3:.1f} ms each, prefills included), "
+          f"at most {stats['rows']} rows at once; attended {stats['attended_columns'] / stats['own_columns']:.3f}x the "
+          f"rows' own columns; the weights and own K/V a decode needs, {need / t / 1e12:.2f} TB/s: {share}"
+          + (f" (decoded with {used}: flex refused, {engine.FLEX['refused']})" if used != attend else "")
+          + compiled + (f"; {late} graphs compiled inside the timed call" if late and fused else ""), flush=True)
     print(f"  engine: {cudagraphs.graphs_line()}", flush=True)
+    return sum(limits) / t
 
 
 def check_parity(device: str) -> None:
@@ -233,6 +263,8 @@ def main():
     ap.add_argument("--rollouts", type=int, default=8, help="voting: rows a prompt")
     ap.add_argument("--peak-tb-s", type=float, default=None, help="voting: the device's peak bandwidth, TB/s "
                     "(default: known for H100 and H200)")
+    ap.add_argument("--attend", default=None, help="voting: comma-separated decode attentions (engine.ATTEND: "
+                    "pages, rows, flex), each timed on the same prompts and lengths (default: the device's)")
     ap.add_argument("--slots", type=int, default=32, help="rows the KV budget holds (equal: the rows)")
     ap.add_argument("--prompts", type=int, default=256, help="realistic: rows in all")
     ap.add_argument("--prompt-len", type=int, default=32, help="longest prompt; others are up to 7 shorter")

@@ -9,11 +9,16 @@
 #   PARTS="sdpa decode" bash bench/gpu.sh       # some sections, in that order (voting train sampler decode sdpa)
 #
 # voting: a paper-like Voting generation at the 0.6B shape (bench/generate.py --workload voting):
-#    64 problems x 8 rollouts, prompts of 150-350 tokens, completions lognormal (median 410,
-#    sigma 0.9) cut at 2,048, each row's limit its drawn length (random weights never stop), one
-#    engine.generate call in the default KV budget: tokens/s, and the share of peak bandwidth the
-#    bytes a decode needs (weights once a step, each row's own K/V) reach. The default parts are
-#    voting, train and sampler (under 8 minutes); decode and sdpa run when PARTS names them.
+#    $VOTING_PROBLEMS problems (default 32, half the paper's 64, so that both timings below fit
+#    the part's 180 s; VOTING_PROBLEMS=64 for the paper's) x 8 rollouts, prompts of 150-350
+#    tokens, completions lognormal (median 410, sigma 0.9) cut at 2,048, each row's limit its
+#    drawn length (random weights never stop), one engine.generate call in the default KV budget
+#    with each decode attention, "pages" (the CUDA default) then "flex" (FlexAttention's fused
+#    paged kernel, compiled for every row count before its call), on the same prompts and
+#    lengths: tokens/s, the share of peak bandwidth the bytes a decode needs (weights once a step,
+#    each row's own K/V) reach, flex's tokens/s over pages', and why flex fell back to pages if
+#    it did. The default parts are voting, train and sampler (under 8 minutes); decode and sdpa
+#    run when PARTS names them.
 # train: one training step, Voting at the paper's batch (64 problems x 8 rollouts, LoRA r64, Shared)
 #    at the Qwen3-0.6B shape with random weights and the toy tokenizer (bench/random_model.py,
 #    built on the device): the step's time and parts, the update's own peak memory
@@ -26,7 +31,8 @@
 #    shape with LoRA r64, 120 rows, W = 512 / 2,560 / 5,120: ms per step (CUDA graphs on), and
 #    the kernel-launching ops and host syncs per step.
 # sampler: greedy parity with model.generate, then tokens/s of engine.generate against
-#    model.generate on a realistic workload (bench/generate.py; rows stop at lognormal lengths,
+#    model.generate on a realistic workload of 256 prompts (half of 512, to leave the voting part
+#    its time; bench/generate.py; rows stop at lognormal lengths,
 #    so the row groups change as in a real call: graph captures per call are counted).
 # sdpa: the SDPA kernel PyTorch picks at each call site (decode, prefill, training) and each
 #    kernel's time there, first call on a new shape and steady (bench/sdpa.py).
@@ -42,11 +48,11 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1   # nothing is
 if [ "${1:-}" = "--tiny" ]; then
   DEVICE=cpu SCALE=tiny TRAIN_NEW=8 TRAIN_PROBLEMS=4 ROWS=4 WIDTHS="64 128" STEPS=4
   SLOTS=8 PROMPTS=32 NEW=16 SDPA="--config tiny --prompt-len 48 --new 8 --shapes 2 --repeats 3"
-  VOTING="--problems 4 --rollouts 8 --new 64 --peak-tb-s 0.05"
+  VOTING="--problems 4 --rollouts 8 --new 64 --peak-tb-s 0.05 --attend pages,flex"
 else
   DEVICE=cuda SCALE=0.6b TRAIN_NEW=${TRAIN_NEW:-256} TRAIN_PROBLEMS=64 ROWS=120 WIDTHS="512 2560 5120" STEPS=16
-  SLOTS=128 PROMPTS=512 NEW=256 SDPA="--config 0.6b"
-  VOTING="--problems 64 --rollouts 8 --new 2048"
+  SLOTS=128 PROMPTS=256 NEW=256 SDPA="--config 0.6b"
+  VOTING="--problems ${VOTING_PROBLEMS:-32} --rollouts 8 --new 2048 --attend pages,flex"
 fi
 OUT=${OUT:-.}
 mkdir -p "$OUT"
@@ -94,9 +100,14 @@ PY
 
 run_voting() {
 part "voting: a paper-like Voting generation, $SCALE shape, $VOTING"
-limit 150 $PY -u bench/generate.py --device "$DEVICE" --config "$SCALE" --workload voting $VOTING --median 0.2 \
+limit 180 $PY -u bench/generate.py --device "$DEVICE" --config "$SCALE" --workload voting $VOTING --median 0.2 \
     --sigma 0.9 --samplers continuous | tee "$work/voting"
-row "voting generation" "$(grep -o 'voting: .*' "$work/voting" | cut -c9- || echo 'did not finish')"
+for a in pages flex; do
+  line=$(grep -o "^voting $a: .*" "$work/voting" | cut -c$(( 10 + ${#a} ))-)
+  row "voting generation, $a" "${line:-did not finish}"
+done
+line=$(grep -o '^voting flex / pages: .*' "$work/voting" | cut -c22-)
+row "voting tokens/s, flex / pages" "${line:-not reached}"
 row "decode graphs in the voting generation" "$(grep -o 'engine: .*' "$work/voting" | tail -1 | cut -c9-)"
 }
 
@@ -122,7 +133,7 @@ run_sampler() {
 part "sampler: parity with model.generate, then tokens/s"
 limit 30 $PY -u bench/generate.py --check --device "$DEVICE" | tee "$work/parity"
 row "greedy parity with model.generate" "$(tail -1 "$work/parity")"
-limit 100 $PY -u bench/generate.py --device "$DEVICE" --config "$SCALE" --workload realistic --slots "$SLOTS" \
+limit 70 $PY -u bench/generate.py --device "$DEVICE" --config "$SCALE" --workload realistic --slots "$SLOTS" \
     --prompts "$PROMPTS" --new "$NEW" --samplers continuous,model.generate --repeats 1 | tee "$work/sampler"
 row "sampler tok/s: continuous vs model.generate" "$(grep -E '^  (continuous|model.generate) ' "$work/sampler" | \
     awk '{printf "%s %s  ", $1, $2}') $(grep -o 'continuous = .*' "$work/sampler")"

@@ -1,6 +1,7 @@
 """A prediction, not a measurement: the time of one training step at the paper's settings on one
 H100 or H200, from bytes moved, FLOPs and kernel launches per step, for the decode loop as of
-a64386d ("before") and as it is now ("after").
+a64386d ("before"), as it is now ("after", engine.ATTEND "pages") and with ATTEND "flex"
+("flex": the same, but a fused paged kernel reads each attended K/V byte once, flex_copies).
 
     python bench/predict.py                       # 0.6B / 1.7B / 4B on H100 and H200
     python bench/predict.py --workflow single     # one generator call per episode
@@ -67,6 +68,7 @@ CONSTANTS = dict(
     attend_over=1.023,      # after: attended / own widths, each row's own columns rounded up to a 64-token page
     gather_copies=3,        # after: K/V bytes moved per attended byte: paged_attention gathers the pages
                             # (read, written) and its products read them again
+    flex_copies=1,          # flex: the same, FlexAttention's fused paged kernel (engine.flex_paged_attention)
     problems=64, rollouts=8,
     capture_ms=60.0,        # after: one CUDA graph capture with its warm-up step and synchronize, ms (stated)
     buckets=63,             # after: row buckets captured, once a process (the voter call's, both stages)
@@ -86,6 +88,8 @@ SOURCES = dict(
     hole_ops="counted in engine.paged_attention and _PagedLayer.write",
     attend_over="simulated, tests/test_cudagraphs.py's paper-like voter call (-s)",
     gather_copies="counted in engine.paged_attention", capture_ms="assumed",
+    flex_copies="stated: a fused paged kernel reads each attended K/V byte once (unmeasured until bench/gpu.sh "
+                "runs on a GPU)",
     buckets="simulated, tests/test_cudagraphs.py's paper-like voter call (two calls, 63 captures)",
     sample_bytes="counted in rollout.sample_next (fp32 on CUDA)", page="engine.PAGE['cuda']",
     kv_share_after="engine.KV_FRACTION",
@@ -235,14 +239,19 @@ def main():
     print(f"\n{args.workflow}, {c['problems']} problems x {c['rollouts']} rollouts; minutes per training step (a prediction)")
     print(f"{'scale':5s} {'gpu':4s} {'code':6s} {'rows':>5s} {'ms/step':>8s} {'generators':>10s} {'aggregator':>10s} "
           f"{'update':>7s} {'step':>6s} {'500 steps':>9s}")
+    flex = {**c, "gather_copies": c["flex_copies"]}        # "flex": "after" with a fused kernel's copies
+    step = {}
     for scale in SCALES:
         for gpu in GPUS:
-            for after in (False, True):
-                parts, S, ms = predict(scale, gpu, c, args.workflow, after)
-                total = sum(parts.values())
-                print(f"{scale:5s} {gpu:4s} {'after' if after else 'before':6s} {S:5d} {ms * 1e3:8.1f} "
+            for code, cc in (("before", c), ("after", c), ("flex", flex)):
+                parts, S, ms = predict(scale, gpu, cc, args.workflow, code != "before")
+                total = step[scale, gpu, code] = sum(parts.values())
+                print(f"{scale:5s} {gpu:4s} {code:6s} {S:5d} {ms * 1e3:8.1f} "
                       f"{parts['generators'] / 60:10.1f} {parts.get('aggregator', 0) / 60:10.1f} "
                       f"{parts['update'] / 60:7.1f} {total / 60:6.1f} {total * 500 / 86400:7.1f} d")
+    pages, fused = step["0.6b", "H200", "after"] / 60, step["0.6b", "H200", "flex"] / 60
+    print(f"\n0.6b H200 {args.workflow} step at bw_eff {c['bw_eff']:g}: {pages:.1f} min with \"pages\" (gather_copies "
+          f"{c['gather_copies']:g}), {fused:.1f} min with \"flex\" (flex_copies {c['flex_copies']:g})")
 
 
 if __name__ == "__main__":
