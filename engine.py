@@ -239,14 +239,26 @@ def _row_count(prompts: int, need: int, bytes_per_token: int, kv_budget, max_row
     return held
 
 
+def beside_cache(free: int, share: str, kv_budget: int, trainable: int, rows: int, vocab: int, sets: int) -> str:
+    """The plan's CUDA part: the memory free after loading, the KV budget's share of it, and what
+    must fit beside the cache while it lives: the AdamW states (16 B a trainable weight), what
+    sampling holds (SAMPLE_BYTES a row and vocabulary entry) and the (rows, V) fp32 logits kept
+    with each of `sets` sets of weights' decode graphs (_Slots)."""
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    sampling, kept = rows * vocab * SAMPLE_BYTES, sets * rows * vocab * 4
+    return (f" | free after loading {gib(free)}: KV {share}, beside it AdamW {gib(16 * trainable)} + "
+            f"sampling {gib(sampling)} + kept decode logits {gib(kept)} = "
+            f"{gib(kv_budget + 16 * trainable + sampling + kept)}")
+
+
 def memory_plan(policy, kv_budget: int, args) -> str:
     """One line of memory: weights, trainable weights with AdamW states, the KV budget in pages and
     the rows it holds at the length limits, and the training micro-batch; a user sees at once
     whether the run fits (the micro-batch's activations as policies.activation_bytes counts them,
     or its layer inputs when checkpointed; its head as the update computes it). On CUDA it also gives the numbers behind the default budget: the free
     memory after loading, KV_FRACTION of it for the cache, and what the rest must hold
-    while the cache lives (the AdamW states, made at the first update, and what sampling holds:
-    SAMPLE_BYTES a row and vocabulary entry).
+    while the cache lives (beside_cache: the AdamW states, made at the first update, what
+    sampling holds, and the logits kept with each set of weights' decode graphs).
     The cache lives only inside a generate call, so the update has all the free memory. The
     prompt length is the limit, else the longest prompt expected: an aggregator's three clipped
     solutions plus ~512 tokens of instruction and problem (a solution is a completion, so it is
@@ -269,11 +281,9 @@ def memory_plan(policy, kv_budget: int, args) -> str:
     rows = rows_that_fit(kv_budget, per_tok, prompt + a.max_new_tokens, page)
     why = ""
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
         share = "--kv-budget-gb" if a.kv_budget_gb else f"{KV_FRACTION:g} of it"
-        sampling = rows * cfg.vocab_size * SAMPLE_BYTES
-        why = (f" | free after loading {gib(free)}: KV {share}, beside it AdamW {gib(16 * trainable)} + "
-               f"sampling {gib(sampling)} = {gib(kv_budget + 16 * trainable + sampling)}")
+        sets = min(KEEP_WEIGHTS, len(p.names)) if getattr(a, "cuda_graphs", "on") == "on" else 0
+        why = beside_cache(torch.cuda.mem_get_info(device)[0], share, kv_budget, trainable, rows, cfg.vocab_size, sets)
     return (f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
             f"{gib(16 * trainable)} | {kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens, page)} "
             f"({per_tok / 1024:.0f} KiB a token){why} | micro-batch {a.token_budget} tokens: {head}, "

@@ -295,6 +295,17 @@ def test_the_memory_plan_counts_an_embedded_solution_at_most_one_completion():
     assert "rows of 300+5120 tokens" in engine.memory_plan(policy, 2**30, args)
 
 
+def test_the_memory_plan_adds_the_kept_decode_logits_to_what_fits_beside_the_cache():
+    """On CUDA the plan sums what must fit beside the KV cache: AdamW, sampling and, per set of
+    weights whose decode graphs are kept, its (rows, V) fp32 logits."""
+    gib = 2**30
+    line = engine.beside_cache(40 * gib, "0.85 of it", 34 * gib, 2**26, rows=1024, vocab=2**18, sets=4)
+    assert "AdamW 1.00 GiB" in line and "kept decode logits 4.00 GiB" in line
+    assert f"sampling {1024 * 2**18 * engine.SAMPLE_BYTES / gib:.2f} GiB" in line
+    assert f"= {39 + 1024 * 2**18 * engine.SAMPLE_BYTES / gib:.2f} GiB" in line
+    assert "kept decode logits 0.00 GiB" in engine.beside_cache(40 * gib, "x", gib, 0, 8, 16, sets=0)
+
+
 def test_top_p_exact_tie_keeps_only_the_smallest_prefix():
     # regression (issue 15 item 13): mass 0.5 is reached by token 0 alone, so token 1 must not
     # be drawn; with `cumsum - p > top_p` it was, about a third of the time
