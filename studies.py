@@ -759,19 +759,30 @@ def _skill_text(who: str, per_run: list) -> str:
     if who == "aggregator":
         head = (f"picks right {mean('picked')}% (random pick {mean('random')}%, majority {mean('majority')}%, "
                 f"oracle {mean('oracle')}%)")
-        diffs = [("picked minus random", [x["picked"] - x["random"] for x in per_run]),
-                 ("picked minus majority", [x["picked"] - x["majority"] for x in per_run])]
+        diffs = [("picked minus random", "chance", [x["picked"] - x["random"] for x in per_run]),
+                 ("picked minus majority", "the majority vote", [x["picked"] - x["majority"] for x in per_run])]
     else:
         head = (f"verdict accuracy {mean('verdict accuracy')}%, false accepts {mean('false accept')}%, "
                 f"false rejects {mean('false reject')}%")
-        diffs = [("J", [100 - x["false accept"] - x["false reject"] for x in per_run
-                        if x.get("false accept") is not None and x.get("false reject") is not None])]
+        diffs = [("J", "chance", [100 - x["false accept"] - x["false reject"] for x in per_run
+                                  if x.get("false accept") is not None and x.get("false reject") is not None])]
     parts = []
-    for label, xs in diffs:
+    for label, against, xs in diffs:
         e = intervals.sample(xs)
         if e is not None:
-            parts.append(f"{label} {e.text()}")
+            parts.append(f"{label} {e.text()}{_against(e, against)}")
     return head + ("; " + "; ".join(parts) if parts else "")
+
+
+def _against(e, what: str) -> str:
+    """A skill's difference read: above or below `what` where its interval excludes 0, else not
+    told apart, with the largest difference the interval leaves open; nothing without one."""
+    c = e.ci()
+    if c is None or e.se == 0:
+        return ""
+    if e.excludes_zero():
+        return f": {'above' if e.mean > 0 else 'below'} {what}"
+    return f": not told apart from {what} (up to {max(abs(c[0]), abs(c[1])):.1f} points could hide)"
 
 
 def gain_lines(study: str, rows: dict) -> list:

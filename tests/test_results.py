@@ -448,7 +448,8 @@ def test_study_q_reads_the_supervisors_skill_against_chance_the_end_and_the_base
     assert ("- the aggregator's skill, voting, shared, step 0: picks right 30.0% (random pick 30.0%, majority 40.0%, "
             "oracle 70.0%); picked minus random +0.0 (n = 3, all equal: no spread to give an interval)") in text
     assert "- the aggregator's skill, voting, shared, end: picks right 61.0% (random pick 50.0%" in text
-    assert "picked minus random +11.0 ± 0.6 (95% CI [+8.5, +13.5], n = 3, df 2)" in text
+    assert "picked minus random +11.0 ± 0.6 (95% CI [+8.5, +13.5], n = 3, df 2): above chance" in text
+    assert "picked minus majority +21.0 ± 0.6 (95% CI [+18.5, +23.5], n = 3, df 2): above the majority vote" in text
     assert "- the aggregator's skill, voting, isolated: not logged" in text
     # the contrasts of one measure read together: two with an interval, both kept by Holm
     assert ("- read together, the 2 contrasts of the end (mean of the last 3 evaluations): 2 exclude 0 each at 95%; "
