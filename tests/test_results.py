@@ -465,3 +465,10 @@ def test_the_evaluators_skill_is_youdens_j_against_chance():
     sharp = {"verdict accuracy": 90.0, "false accept": 10.0, "false reject": 10.0}
     text = studies._skill_text("evaluator", [at_chance, sharp, sharp])
     assert text.startswith("verdict accuracy 76.7%, false accepts 23.3%, false rejects 23.3%; J +53.3 ± 26.7")
+
+
+def test_a_skill_difference_whose_interval_holds_0_is_not_told_apart_from_chance():
+    e = intervals.sample([1.0, -1.0, 3.0])   # mean +1.0, se 1.15, t(2) 4.30: [-4.0, +6.0]
+    assert studies._against(e, "chance") == ": not told apart from chance (up to 6.0 points could hide)"
+    assert studies._against(intervals.sample([-5.0, -6.0, -7.0]), "the majority vote") == ": below the majority vote"
+    assert studies._against(intervals.sample([2.0, 2.0]), "chance") == ""   # two units: no interval
