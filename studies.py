@@ -225,7 +225,7 @@ STUDIES = {
         roles=("generator", "aggregator", "evaluator"), mechanisms=["len0", "len", "parse_fail", "step_s"],
         measures=("end_acc", "peak_acc"), paired=True, gains=True, signatures=True, samples=True, curve="runs",
         runs="python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single voting eval_opt "
-             "--seeds S --out runs/q -- " + " ".join(["--problems-per-step 2 --group-size 8 --steps 48",
+             "--seeds S --out runs/q -- " + " ".join(["--problems-per-step 4 --group-size 8 --steps 48",
                                                      "--eval-every 6 --eval-problems 0 --lr 1e-4 --warmup-steps 2",
                                                      "--lora-rank 16 --grad-checkpointing off --device cpu"])
              + " (results/lab.sh part Q); the base rates: results/q/base/"),

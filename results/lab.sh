@@ -70,8 +70,8 @@ real_voting() {
     --seeds $1 --out runs/real -- $REAL --problems-per-step 4
 }
 # study Q: the paper's question on SmolLM2 (arith split by pair): single, Voting and Eval-Opt under
-# both sharings, 2 problems a step for every workflow (the same problems per step, as the paper's)
-Q="--problems-per-step 2 --group-size 8 --steps 48 --eval-every 6 --eval-problems 0 --lr 1e-4 --warmup-steps 2
+# both sharings, 4 problems a step for every workflow (the same problems per step, as the paper's)
+Q="--problems-per-step 4 --group-size 8 --steps 48 --eval-every 6 --eval-problems 0 --lr 1e-4 --warmup-steps 2
    --lora-rank 16 --grad-checkpointing off --device cpu"
 q_study() {   # seed $1, each cell in turn
   python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single voting eval_opt --seeds $1 --out runs/q -- $Q
