@@ -8,7 +8,7 @@ layer do not depend on how many follow it), puts a LoRA adapter on it, and runs 
 training forward (row_logprobs with grad: the packed forward) over one micro-batch of `--tokens` tokens, once
 plain and once with policies.checkpoint_layers. What the forward keeps for the backward is
 counted exactly: every tensor autograd saves (torch.autograd.graph.saved_tensors_hooks, each
-storage once), plus, when checkpointed, the inputs each checkpointed layer keeps to recompute
+storage once, the weights' own storages left out), plus, when checkpointed, the inputs each checkpointed layer keeps to recompute
 from. The figures are scaled to the model's full depth and to train.py's 16,384-token
 micro-batch. The padded path's logits (tokens x vocabulary, model dtype, and their gradient)
 are reported apart: the packed forward keeps none (its head runs chunk by chunk). The ratio > 1 is how many times less the checkpointed forward keeps.
@@ -30,12 +30,17 @@ DEPTH = {"0.6b": 28, "1.7b": 28, "4b": 36}
 
 
 def kept_by_forward(policy, tokens, checkpointed):
-    """Bytes of the tensors the training forward keeps for the backward."""
+    """Bytes of the tensors the training forward keeps for the backward, the weights left out:
+    autograd saves a frozen weight to pass the gradient through its layer, but that storage is
+    the model's own, held whatever the micro-batch, so it is no activation."""
     storages = {}
+    weights = {(w.untyped_storage().data_ptr(), w.device) for w in policy.model.parameters()}
+    weights |= {(w.untyped_storage().data_ptr(), w.device) for n in policy.names for w in policy.parameters_of(n)}
 
     def pack(t):
         st = t.untyped_storage()
-        storages[(st.data_ptr(), t.device)] = st.nbytes()
+        if (st.data_ptr(), t.device) not in weights:
+            storages[(st.data_ptr(), t.device)] = st.nbytes()
         return t
     if checkpointed:  # count what each checkpointed layer keeps: its tensor inputs
         import torch.utils.checkpoint as tuc
