@@ -363,47 +363,54 @@ def flex_rows(n: int) -> int:
     return N
 
 
-def flex_block_mask(table, width, pool_pages: int, page: int):
-    """The BlockMask of a decode step over the pools seen as one sequence of pool_pages x PAGE
-    columns: row b attends the first width[b] columns of its pages table[b] (N, P) (the trash
-    page past its own). A fused kernel visits only the pages a row lists, each through mask_mod;
-    FlexAttention run eagerly reads no list and applies mask_mod to every column of the pools, so
-    mask_mod alone says the whole mask (a page the row holds; in its last page, the columns
-    written) and eager and compiled attend the same columns. No page is listed as full (read with
-    no mask): the decoding kernel then splits the pool, not a row's pages, among its KV splits,
-    and a step of a few long rows would run on a few of the GPU's cores."""
+def flex_tables(table, width, pool_pages: int, page: int) -> tuple:
+    """What a decode step's block mask reads, made once a step (_Writes.decode), not once a layer:
+    row b attends the first width[b] columns of its pages table[b] (N, P) (the trash page past its
+    own). Returns (table (N, P), count (N,) pages it attends, last (N,) its last page, valid (N,)
+    the columns written there, own (N, pool_pages) the pages it holds)."""
     N, P = table.shape
-    count = pages_for(width, page)                                      # (N,) pages a row attends
-    k = (count - 1).clamp(min=0)                                        # (N,) its last page's index
-    last = table.gather(1, k[:, None])[:, 0]                            # (N,) its last page
-    valid = width - k * page                                            # (N,) columns written there
+    count = pages_for(width, page)                                      # (N,)
+    k = (count - 1).clamp(min=0)                                        # (N,) the last page's index
+    last = table.gather(1, k[:, None])[:, 0]                            # (N,)
+    valid = width - k * page                                            # (N,)
     listed = torch.arange(P, device=table.device) < count[:, None]     # (N, P)
     own = torch.zeros(N, pool_pages, dtype=torch.bool, device=table.device).scatter_(1, table, listed)
+    return table, count, last, valid, own
+
+
+def flex_block_mask(tables: tuple, page: int):
+    """The BlockMask of a decode step over the pools seen as one sequence of pool_pages x PAGE
+    columns, from flex_tables. A fused kernel visits only the pages a row lists, each through
+    mask_mod; FlexAttention run eagerly reads no list and applies mask_mod to every column of the
+    pools, so mask_mod alone says the whole mask (a page the row holds; in its last page, the
+    columns written) and eager and compiled attend the same columns. No page is listed as full
+    (read with no mask): the decoding kernel then splits the pool, not a row's pages, among its
+    KV splits, and a step of a few long rows would run on a few of the GPU's cores."""
+    table, count, last, valid, own = tables
 
     def mask_mod(b, h, q, kv):
         p = kv // page
         return own[b, p] & ((p != last[b]) | (kv % page < valid[b]))
     return BlockMask.from_kv_blocks(count.to(torch.int32)[:, None, None], table.to(torch.int32)[:, None, None],
                                     BLOCK_SIZE=(FLEX_Q_BLOCK, page), mask_mod=mask_mod,
-                                    seq_lengths=(1, pool_pages * page), compute_q_blocks=False)
+                                    seq_lengths=(1, own.shape[1] * page), compute_q_blocks=False)
 
 
-def flex_decode(query, pool_k, pool_v, table, width, scaling: float):
+def flex_decode(query, pool_k, pool_v, tables: tuple, scaling: float):
     """FlexAttention of one-token queries (N, Hq, 1, D) over the pools (Hkv, pages, PAGE, D) seen
     as one sequence (KV batch 1, broadcast to the N rows; enable_gqa pairs query head h with KV
     head h // g, as repeat_kv does, with no copy), each row over its own columns
-    (flex_block_mask). What torch.compile fuses: the block mask is built inside, from the plan's
-    (N, P) tables and (N,) widths, so the compiled graph takes only tensors. Returns (N, Hq, 1, D)."""
+    (flex_block_mask of the step's flex_tables). What torch.compile fuses: it takes only tensors.
+    Returns (N, Hq, 1, D)."""
     Hkv, pages, page, D = pool_k.shape
-    mask = flex_block_mask(table, width, pages, page)
     k, v = pool_k.view(1, Hkv, pages * page, D), pool_v.view(1, Hkv, pages * page, D)
-    return flex_attention(query, k, v, block_mask=mask, scale=scaling, enable_gqa=True)
+    return flex_attention(query, k, v, block_mask=flex_block_mask(tables, page), scale=scaling, enable_gqa=True)
 
 
 def flex_paged_attention(query, pool_k, pool_v, step, scaling: float):
     """One-token queries (n, Hq, 1, D) over their rows' pages by FlexAttention (flex_decode):
-    step.table (N, P) each row's pages (the trash page past its own) and step.width (N,) its
-    columns, N = flex_rows(n), the rows past n with none. Where FLEX_COMPILE, the compiled
+    step.table (N, P) each row's pages (the trash page past its own), step.width (N,) its
+    columns and step.flex their flex_tables, N = flex_rows(n), the rows past n with none. Where FLEX_COMPILE, the compiled
     function; if it fails (a new row count's compile), flex is off for the process
     (_refuse_flex) and this step attends with row_attention over the same tables. Returns
     (n, 1, Hq, D)."""
@@ -412,9 +419,9 @@ def flex_paged_attention(query, pool_k, pool_v, step, scaling: float):
     if not FLEX["refused"]:
         q = F.pad(query, (0, 0, 0, 0, 0, 0, 0, N - n))                    # (N, Hq, 1, D)
         if not FLEX_COMPILE[kind]:
-            return flex_decode(q, pool_k, pool_v, step.table, step.width, scaling)[:n].transpose(1, 2)
+            return flex_decode(q, pool_k, pool_v, step.flex, scaling)[:n].transpose(1, 2)
         try:
-            return _flex_compiled(q, pool_k, pool_v, step.table, step.width, scaling)[:n].transpose(1, 2)
+            return _flex_compiled(q, pool_k, pool_v, step.flex, scaling)[:n].transpose(1, 2)
         except Exception as e:  # noqa: BLE001 - any failure: "pages" from the next call on
             _refuse_flex(e)
     W = step.table.shape[1] * pool_k.shape[2]
@@ -429,7 +436,7 @@ class _RowTables:
     row_mask: torch.Tensor
 
 
-def _flex_compiled(q, pool_k, pool_v, table, width, scaling: float):
+def _flex_compiled(q, pool_k, pool_v, tables: tuple, scaling: float):
     """flex_decode compiled, made at its first call in the process: fullgraph (a graph break would
     run FlexAttention eagerly, over every column of the pools) and static but for the pools' page
     count and the tables' width, marked dynamic at each call (they change with every generate
@@ -441,12 +448,12 @@ def _flex_compiled(q, pool_k, pool_v, table, width, scaling: float):
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, 32)
         _FLEX_COMPILED["fn"] = torch.compile(flex_decode, fullgraph=True, dynamic=False)
-    for t in (pool_k, pool_v, table):
+    for t in (pool_k, pool_v, tables[0], tables[-1]):   # the pools' pages; the tables' (N, P) and (N, pages)
         torch._dynamo.maybe_mark_dynamic(t, 1)
     if q.shape[0] in _FLEX_COMPILED["rows"]:
-        return _FLEX_COMPILED["fn"](q, pool_k, pool_v, table, width, scaling)
+        return _FLEX_COMPILED["fn"](q, pool_k, pool_v, tables, scaling)
     t0 = time.perf_counter()
-    out = _FLEX_COMPILED["fn"](q, pool_k, pool_v, table, width, scaling)
+    out = _FLEX_COMPILED["fn"](q, pool_k, pool_v, tables, scaling)
     FLEX["compiles"] += 1
     FLEX["compile_s"] += time.perf_counter() - t0
     _FLEX_COMPILED["rows"].add(q.shape[0])
@@ -496,8 +503,8 @@ def _flex_probe(model, dev, rows: int = 1) -> None:
     pool = lambda: torch.zeros(Hkv, 3, PAGE[_kind(dev)], D, dtype=model.dtype, device=dev)  # noqa: E731
     table = torch.tensor([[1, 0]], device=dev).expand(rows, 2).contiguous()     # (rows, 2)
     width = torch.ones(rows, dtype=torch.long, device=dev)                      # (rows,)
-    _flex_compiled(torch.zeros(rows, Hq, 1, D, dtype=model.dtype, device=dev), pool(), pool(), table, width,
-                   D ** -0.5)
+    _flex_compiled(torch.zeros(rows, Hq, 1, D, dtype=model.dtype, device=dev), pool(), pool(),
+                   flex_tables(table, width, 3, PAGE[_kind(dev)]), D ** -0.5)
 
 
 def flex_warm_up(model, rows: int) -> str:
@@ -578,7 +585,7 @@ class _Writes:
         self.is_prefill, self.mode = False, "pages"   # mode: how decode steps attend (_attend_mode)
         self.at = self.pages = self.rows = self.rows_q = self.mask = None
         self.table = self.row_mask = None   # "rows": (n, P) pages, (n, 1, 1, P x PAGE) columns; "flex": (N, P) pages
-        self.width = None                   # "flex": (N,) columns each row attends
+        self.width = self.flex = None       # "flex": (N,) columns each row attends; the step's flex_tables
 
     def slots(self, page, offset):
         """Flat indices (..., H) into a layer's (H * pages * PAGE, D) view: head, page, offset."""
@@ -600,6 +607,7 @@ class _Writes:
         if self.mode == "flex":
             N = flex_rows(n)
             self.width, self.table = m[2 * n:2 * n + N].clone(), m[2 * n + N:2 * n + N + N * C].view(N, C).clone()
+            self.flex = flex_tables(self.table, self.width, self.pool_pages, self.page)   # once a step, not a layer
             return
         self.pages, self.rows = m[2 * n:2 * n + C], m[2 * n + C:2 * n + 2 * C]      # (C,), (C,) rows in [0, n]
         self.rows_q = self.rows.clamp(max=n - 1)                        # a pad page (row n) reads any query

@@ -26,15 +26,17 @@ def fresh_flex(monkeypatch):
 
 
 class FlexStep:
-    """A flex step's numbers as _Writes.decode makes them: (N, P) tables and (N,) widths."""
+    """A flex step's numbers as _Writes.decode makes them: (N, P) tables, (N,) widths and their
+    flex_tables over a pool of pool_pages pages of `page` tokens."""
 
-    def __init__(self, tables, widths, N):
+    def __init__(self, tables, widths, N, pool_pages, page):
         P = max(map(len, tables))
         self.table = torch.zeros(N, P, dtype=torch.long)
         for r, t in enumerate(tables):
             self.table[r, :len(t)] = torch.tensor(t, dtype=torch.long)
         self.width = torch.zeros(N, dtype=torch.long)
         self.width[:len(widths)] = torch.tensor(widths)
+        self.flex = engine.flex_tables(self.table, self.width, pool_pages, page)
 
 
 def listed_blocks_attention(q, pool_k, pool_v, mask, scaling):
@@ -84,9 +86,9 @@ def test_flex_attention_equals_paged_and_row_attention_and_each_rows_own_softmax
                        @ v[r, :, own[r]] for r in range(n - 1)]).reshape(n - 1, 1, Hq, D)   # (n-1, 1, Hq, D)
     N = engine.flex_rows(n)
     assert N == 16
-    step = FlexStep(tables, width, N)
+    step = FlexStep(tables, width, N, 40, page)
     flex = engine.flex_paged_attention(q, pool_k, pool_v, step, scaling)                   # (n, 1, Hq, D)
-    mask = engine.flex_block_mask(step.table, step.width, 40, page)
+    mask = engine.flex_block_mask(step.flex, page)
     padded = torch.cat([q, torch.randn(N - n, Hq, 1, D, generator=g)])
     kernel = listed_blocks_attention(padded, pool_k, pool_v, mask, scaling).transpose(1, 2)   # (N, 1, Hq, D)
     paged = engine.paged_attention(q, pool_k, pool_v, Step(n, pages, rows, valid, page), scaling)
