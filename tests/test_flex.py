@@ -184,6 +184,17 @@ def test_flex_missing_falls_back_to_pages_for_the_process_and_says_why(monkeypat
     assert capsys.readouterr().err.count("no flex attention for the rest of this process (ImportError") == 1
 
 
+def compile_flex_as(monkeypatch, run):
+    """torch.compile of flex_decode made `run(flex_decode, q, *args)`: a stand-in for the compiled
+    kernel that can fail at a row count. Eager FlexAttention compiles a function of its own: left
+    alone."""
+    real = torch.compile
+
+    def compiled(fn, **kw):
+        return real(fn, **kw) if fn is not engine.flex_decode else lambda *a: run(fn, *a)
+    monkeypatch.setattr(torch, "compile", compiled)
+
+
 def test_a_compile_that_fails_at_a_new_row_count_finishes_the_call_by_rows_then_pages(monkeypatch, capsys):
     """The probe's row count compiles, the next one fails inside a step: that step attends by
     row_attention over the flex tables, every later call with "pages", and the step line says so."""
@@ -191,18 +202,11 @@ def test_a_compile_that_fails_at_a_new_row_count_finishes_the_call_by_rows_then_
     monkeypatch.setitem(engine.ATTEND, "cpu", "flex")
     monkeypatch.setitem(engine.FLEX_COMPILE, "cpu", True)
 
-    real = torch.compile
-
-    def compiled(fn, **kw):      # eager FlexAttention compiles a function of its own: left alone
-        if fn is not engine.flex_decode:
-            return real(fn, **kw)
-
-        def run(q, *a):
-            if q.shape[0] > 1:
-                raise RuntimeError("triton compile failed\nat line 2")
-            return fn(q, *a)
-        return run
-    monkeypatch.setattr(torch, "compile", compiled)
+    def run(fn, q, *a):
+        if q.shape[0] > 1:
+            raise RuntimeError("triton compile failed\nat line 2")
+        return fn(q, *a)
+    compile_flex_as(monkeypatch, run)
     m = tiny_qwen3(seed=0)
     keys = [seeds.key("mixed", i) for i in range(len(MIXED))]
     simple = rollout.generate_simple(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, top_p=0.9, seed=3, keys=keys)
@@ -223,19 +227,14 @@ def test_the_warm_up_compiles_every_row_count_of_a_call_before_it(monkeypatch):
     a failure leaves the call to "pages"."""
     monkeypatch.setitem(engine.ATTEND, "cpu", "flex")
     monkeypatch.setitem(engine.FLEX_COMPILE, "cpu", True)
-    seen, real = [], torch.compile
+    seen = []
 
-    def compiled(fn, **kw):      # eager FlexAttention compiles a function of its own: left alone
-        if fn is not engine.flex_decode:
-            return real(fn, **kw)
-
-        def run(q, *a):
-            seen.append(q.shape[0])
-            if q.shape[0] > 16:
-                raise RuntimeError("out of resources")
-            return fn(q, *a)
-        return run
-    monkeypatch.setattr(torch, "compile", compiled)
+    def run(fn, q, *a):
+        seen.append(q.shape[0])
+        if q.shape[0] > 16:
+            raise RuntimeError("out of resources")
+        return fn(q, *a)
+    compile_flex_as(monkeypatch, run)
     m = tiny_qwen3(seed=0)
     assert engine.flex_warm_up(m, 9) == "flex" and seen == [1, 4, 16] and engine.FLEX["compiles"] == 3
     assert engine.flex_warm_up(m, 40) == "pages" and seen == [1, 4, 16, 64]
