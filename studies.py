@@ -224,11 +224,12 @@ STUDIES = {
         + [(f"{w}, {sh}", "single") for w in Q_WORKFLOWS for sh in ("shared", "isolated")],
         roles=("generator", "aggregator", "evaluator"), mechanisms=["len0", "len", "parse_fail", "step_s"],
         measures=("end_acc", "peak_acc"), paired=True, gains=True, signatures=True, samples=True, curve="runs",
-        runs="python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single voting eval_opt "
+        runs="python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single voting "
              "--seeds S --out runs/q -- " + " ".join(["--problems-per-step 4 --group-size 8 --steps 48",
                                                      "--eval-every 6 --eval-problems 0 --lr 1e-4 --warmup-steps 2",
                                                      "--lora-rank 16 --grad-checkpointing off --device cpu"])
-             + " (results/lab.sh part Q); the base rates: results/q/base/"),
+             + ", then --workflows eval_opt with the same flags and --eval-rounds 1 (results/lab.sh part Q); "
+             "the base rates: results/q/base/"),
     "damping": Study(
         "Coherence damping against its placebo and against nothing: Isolated, math, lr 2e-3",
         _damping_arm,

@@ -73,8 +73,9 @@ real_voting() {
 # both sharings, 4 problems a step for every workflow (the same problems per step, as the paper's)
 Q="--problems-per-step 4 --group-size 8 --steps 48 --eval-every 6 --eval-problems 0 --lr 1e-4 --warmup-steps 2
    --lora-rank 16 --grad-checkpointing off --device cpu"
-q_study() {   # seed $1, each cell in turn
-  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single voting eval_opt --seeds $1 --out runs/q -- $Q
+q_study() {   # seed $1, each cell in turn; Eval-Opt at one evaluator round (docs/RESULTS.md, Q: its pilot)
+  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single voting --seeds $1 --out runs/q -- $Q
+  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows eval_opt --seeds $1 --out runs/q -- $Q --eval-rounds 1
 }
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(A0 A1 A2 B0 B1 B2 C0 C1 C2 C3 C4 L0 L1 L2 D00 D01 D02 D10 D11 D20 D21 E00 E01 E02 E10 E11 E20 E21 F00 F01 F02 F10 F11 F20 F21 M0 M1 M2 M3 R0 R1 R2)
