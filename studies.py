@@ -42,6 +42,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
@@ -421,7 +422,8 @@ def _mechanism(run: dict, s: dict, key: str, role: str):
     evaluation), the damping's mean scale, and under shared the cosine between the role's
     descent direction and the one adapter's move (`move_cos`: which role the move followed); its
     length in the first tenth of training (`len0`); the run's wall seconds per training step
-    (`step_s`, under its first role)."""
+    (`step_s`, the median, under its first role: a run paused for a benchmark on a shared machine
+    logs that step's pause, which the mean would spread over the run)."""
     m = s["mechanisms"]
     if key == "displacement":
         return _adapter_move(run, role)
@@ -442,7 +444,7 @@ def _mechanism(run: dict, s: dict, key: str, role: str):
     if key == "step_s":   # the run's, shown once: under its first role
         first = next(iter((run["metrics"] or [{}])[-1].get("roles", {})), None)
         times = [x["time"]["step"] for x in run["metrics"] if (x.get("time") or {}).get("step") is not None]
-        return sum(times) / len(times) if role == first and times else None
+        return statistics.median(times) if role == first and times else None   # a paused step is an outlier
     if key == "own_change":
         return role_change(run.get("roles"), role)
     raise KeyError(key)
@@ -674,7 +676,7 @@ def report_text(study: str) -> str:
                 "move, whose displacement is shown once, under the first role" if "move_cos" in st.mechanisms else "")
              + ("; deepest dip: " + analysis.DIP_RULE + f" (D = {SENSITIVITY[0]:g})" if "dip" in st.measures else "")
              + ("; len0: tokens in the first tenth of training" if "len0" in st.mechanisms else "")
-             + ("; step_s: wall seconds a training step, under the first role" if "step_s" in st.mechanisms else "")
+             + ("; step_s: median wall seconds of a training step, under the first role" if "step_s" in st.mechanisms else "")
              + ("; own_change: the run's end minus its untrained model, in points, of the generator's own accuracy "
                 "(one voter) and of the aggregator's selection accuracy (right picks when some voter is right)"
                 if "own_change" in st.mechanisms else "")
