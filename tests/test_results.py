@@ -331,7 +331,7 @@ def test_the_map_pairs_isolated_with_shared_gives_each_arms_gain_and_each_falls_
 def test_the_real_study_gives_each_arms_gain_with_its_95_interval_and_keeps_transcripts(tmp_path, monkeypatch):
     """Study R (a real model learns): whatever the runs show, each arm's gain over step 0 with its
     95% interval over seeds (t with n - 1 degrees of freedom); the lengths at the start and end
-    and the wall time per step; samples.jsonl kept for the page's examples; a curve figure."""
+    and the median wall time per step; samples.jsonl kept for the page's examples; a curve figure."""
     from test_analysis import synthetic_run
     monkeypatch.setattr(studies, "RESULTS", str(tmp_path / "results"))
     monkeypatch.setattr(studies, "FIGURES", str(tmp_path / "figures"))
@@ -341,7 +341,9 @@ def test_the_real_study_gives_each_arms_gain_with_its_95_interval_and_keeps_tran
         path = os.path.join(folder, "metrics.jsonl")
         rows = analysis.read_jsonl(path)
         with open(path, "w") as f:
-            f.writelines(json.dumps({**r, "time": {"step": 60.0 + seed}}) + "\n" for r in rows)
+            # the first step paused an hour (a benchmark beside it): the median step time ignores it
+            f.writelines(json.dumps({**r, "time": {"step": 3600.0 if i == 0 else 60.0 + seed}}) + "\n"
+                         for i, r in enumerate(rows))
         with open(os.path.join(folder, "samples.jsonl"), "w") as f:
             f.write(json.dumps({"step": 1, "role": "generator", "completion": "3 + 4 = 7"}) + "\n")
         _with_config(folder, provenance=ORIGIN, problems_per_step=8, group_size=8, scale="smollm2-135m")
