@@ -410,10 +410,10 @@ def flex_decode(query, pool_k, pool_v, tables: tuple, scaling: float):
 def flex_paged_attention(query, pool_k, pool_v, step, scaling: float):
     """One-token queries (n, Hq, 1, D) over their rows' pages by FlexAttention (flex_decode):
     step.table (N, P) each row's pages (the trash page past its own), step.width (N,) its
-    columns and step.flex their flex_tables, N = flex_rows(n), the rows past n with none. Where FLEX_COMPILE, the compiled
-    function; if it fails (a new row count's compile), flex is off for the process
-    (_refuse_flex) and this step attends with row_attention over the same tables. Returns
-    (n, 1, Hq, D)."""
+    columns and step.flex their flex_tables, N = flex_rows(n), the rows past n with none. Where
+    FLEX_COMPILE, the compiled function; if it fails (a new row count's compile), flex is off for
+    the process (_refuse_flex) and this step attends with row_attention over the same tables.
+    Returns (n, 1, Hq, D)."""
     n, N = query.shape[0], step.width.shape[0]
     kind = _kind(query.device)
     if not FLEX["refused"]:
