@@ -2,15 +2,19 @@
 eager holes, replayed; off for the process after a capture fails twice.
 
     graphs = cudagraphs.StepGraphs(device)       # the engine keeps one per device and weights
-    graphs.run(key, step)                        # step() run once, captured under `key`; replayed after
+    graphs.run(key, step)                        # step() captured under `key` and replayed, then replayed
     out = cudagraphs.hole(fn)                    # inside step: fn() eagerly, between two captured pieces
     with cudagraphs.on_device(device): ...       # `device` current for the duration (CUDA only)
 
 What it decides, and why:
 - `step` is a function of buffers written in place (no argument, no result, no host read), so a
-  graph of it replays the same work on new data. The first `run` of a key runs `step` on a side
-  stream (lazy set-ups happen outside the capture) and captures it; that run is the step's own
-  execution (a capture records, it does not execute). Later runs of the key replay it.
+  graph of it replays the same work on new data, and run twice on the same buffers it writes the
+  same (the engine's forward does; a step that advanced a counter would not). The first `run` of
+  a key runs `step` on a side stream (lazy set-ups happen outside the capture), captures it and
+  replays it once: that replay is the step's execution. A capture records the pieces' kernels
+  and runs none of them, while the holes between them do run, on what the pieces have not
+  computed: the engine's hole writes garbage K/V at the step's columns, which the replay writes
+  again (so does an eager step after a capture that failed). Later runs of the key replay it.
 - a step is captured in pieces: where it calls `hole(fn)`, the piece so far is ended, fn() runs
   eagerly, and a new piece begins; a replay runs piece, hole, piece, ..., each hole's result
   copied into the tensor it gave at capture, which the next piece reads. The engine's hole is
@@ -148,28 +152,30 @@ class StepGraphs:
             return
         t = time.perf_counter()
         graph = self._capture(step, warm=True) or self._capture(step, warm=False)   # a failure: once more
-        GRAPHS["capture_s"] += time.perf_counter() - t
         if graph is None:
             GRAPHS["refused"] = self.cause
             print(f"engine: no CUDA graphs for the rest of this process ({self.cause}); decoding eagerly",
                   file=sys.stderr)
+            step()                     # the failed captures' holes may have written: the step again
             GRAPHS["eager_steps"] += 1
         else:
             self.graphs[key] = graph
+            with on_device(self.device):
+                graph.replay()         # the step's execution, over what the capture's holes wrote
             GRAPHS["captures"] += 1
+        GRAPHS["capture_s"] += time.perf_counter() - t
 
     def _capture(self, step, warm: bool):
-        """Run step() on a side stream (`warm`: the step's execution; a second try runs nothing
-        again, the step is already done), then capture it in pieces sharing the memory pool of
-        these graphs, with the device current. None if the capture fails (counted, its first
-        cause kept in self.cause)."""
+        """Run step() on a side stream (`warm`: for the lazy set-ups; a second try needs none),
+        then capture it in pieces sharing the memory pool of these graphs, with the device
+        current. None if the capture fails (counted, its first cause kept in self.cause)."""
         dev = self.device
         with on_device(dev):
             side = cuda.Stream(device=dev)
             side.wait_stream(cuda.current_stream(dev))
             with cuda.stream(side):
                 if warm:
-                    step()                               # the step's execution: a capture only records
+                    step()                               # lazy set-ups happen here, not in the capture
                 cuda.synchronize(dev)
                 pieces = _Pieces(self.pool)
                 _CAPTURING.append(pieces)

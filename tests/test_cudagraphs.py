@@ -22,26 +22,59 @@ from test_sampler import MIXED, MIXED_LIMITS, PAD, STOP, assert_same_generation,
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "item"}   # what reads the device: refused while capturing
 
 
+def _storage(t) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _written(func, args, kwargs) -> list:
+    """The tensors an aten op writes in place (its schema's mutable arguments)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = kwargs.get(a.name, args[i] if i < len(args) else None)
+            out += [t for t in tree_flatten(v)[0] if torch.is_tensor(t)]
+    return out
+
+
 class _Recorder(TorchDispatchMode):
-    """Runs and records every aten op, as a capture records kernels; a host read raises, as it
-    does in a real capture."""
+    """Records every aten op of a piece being captured, as a capture records kernels; a host read
+    raises, as it does in a real capture. It runs each op too (the next op's arguments are its
+    outputs), so `undo` then leaves what a real capture leaves, which runs nothing: every tensor
+    that was there before the piece holds what it held (the writes undone), and what the piece
+    made holds garbage (NaN where it is floating point), which is what an eager hole after the
+    piece reads during a capture."""
 
     def __init__(self):
         super().__init__()
-        self.ops = []
+        self.ops, self.made, self.saved = [], set(), []
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func.__name__.split(".")[0] in SYNC_OPS:
             raise RuntimeError(f"operation not permitted when stream is capturing ({func.__name__})")
-        out = func(*args, **(kwargs or {}))
-        self.ops.append((func, args, kwargs or {}, out))
+        for t in _written(func, args, kwargs):
+            if _storage(t) not in self.made and not any(t is s for s, _ in self.saved):
+                self.saved.append((t, t.clone()))
+        out = func(*args, **kwargs)
+        given = {_storage(t) for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
+        self.made |= {_storage(o) for o in tree_flatten(out)[0] if torch.is_tensor(o) and _storage(o) not in given}
+        self.ops.append((func, args, kwargs, out))
         return out
+
+    def undo(self) -> None:
+        for t, before in reversed(self.saved):
+            t.copy_(before)
+        for _, _, _, out in self.ops:
+            for o in tree_flatten(out)[0]:
+                if torch.is_tensor(o) and o.is_floating_point() and _storage(o) in self.made:
+                    o.fill_(float("nan"))
 
 
 class FakeGraph:
     """A captured piece of a step: its aten ops, replayed on the same tensors (static addresses),
     each output written into the tensor the capture made, so what the Python of the step read at
-    capture (shapes, host numbers, which tensors) is frozen, as in a CUDA graph."""
+    capture (shapes, host numbers, which tensors) is frozen, as in a CUDA graph; and, as in one,
+    the capture itself leaves nothing done (_Recorder.undo)."""
 
     def __init__(self, fake):
         self.fake, self.ops, self.rec = fake, [], None
@@ -58,6 +91,7 @@ class FakeGraph:
         if self.rec is None:   # as torch's: ending a capture that failed raises again
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
         self.rec.__exit__(None, None, None)
+        self.rec.undo()
         self.ops, self.rec = self.rec.ops, None
 
     def replay(self):
@@ -147,6 +181,21 @@ def test_every_cuda_call_names_the_models_device_and_runs_with_it_current(fake_c
     g = cudagraphs.GRAPHS
     assert g["captures"] >= 2 and g["replays"] > g["captures"] and fake.pieces > g["captures"]
     assert fake.calls and all(cur == dev and (named is None or named == dev) for _, named, cur in fake.calls)
+
+
+def test_the_stand_ins_capture_runs_nothing_as_a_real_one(fake_cuda):
+    # what lets the tests here catch a step that counts on its capture's own execution: a write
+    # is undone, and what the piece made is garbage for the eager hole that reads it next; a
+    # replay does both
+    fake = fake_cuda()
+    graph, buf = fake.CUDAGraph(), torch.zeros(3)
+    graph.capture_begin()
+    made = buf + 1
+    buf.add_(1)
+    graph.capture_end()
+    assert torch.equal(buf, torch.zeros(3)) and made.isnan().all()
+    graph.replay()
+    assert torch.equal(buf, torch.ones(3)) and torch.equal(made, torch.ones(3))
 
 
 def test_on_device_makes_the_cuda_device_current(monkeypatch):
