@@ -4,7 +4,7 @@
     python bench/generate.py --workload realistic --prompts 512 --slots 64
     python bench/generate.py --workload equal --prompt-min 16 --prompt-len 48 --equal-new 64  # 32 rows, 16-48
     python bench/generate.py --device cuda --config 0.6b --prompts 512 --slots 256 --new 512
-    python bench/generate.py --check --device cuda                 # greedy parity, tiny model
+    python bench/generate.py --check --device cuda                 # greedy parity, graphs = eager, tiny model
     python bench/generate.py --device cuda --config 0.6b --workload voting --samplers continuous --repeats 1
     python bench/generate.py --device cuda --config 0.6b --workload voting --attend pages,flex
 
@@ -246,8 +246,24 @@ def check_parity(device: str) -> None:
         bad += not torch.equal(ours, ref[: len(ours)]) or bool((ref[len(ours):] != 0).any())
     print(f"parity on {device}: {len(prompts) - bad}/{len(prompts)} prompts equal model.generate alone "
           f"({int(out.finished.sum())} stopped)", flush=True)
+    bad += not graphs_equal_eager(model, prompts, limits, stop, budget)
     if bad:
         sys.exit(1)
+
+
+def graphs_equal_eager(model, prompts, limits, stop, budget) -> bool:
+    """Sampled (T 0.7, keyed) engine.generate with CUDA graphs against the same call stepped
+    eagerly: a replay runs the kernels the eager step runs, so tokens must be equal and logprobs
+    within 1e-4 (a graph that replayed stale inputs, or K/V a capture left wrong, shows here).
+    On a CPU both run eagerly."""
+    kw = dict(temperature=0.7, seed=1, keys=list(range(len(prompts))), kv_budget=budget)
+    replayed = engine.generate(model, prompts, limits, stop, 0, **kw)
+    eager = engine.generate(model, prompts, limits, stop, 0, cuda_graphs=False, **kw)
+    same = torch.equal(replayed.tokens, eager.tokens) and torch.equal(replayed.mask, eager.mask)
+    gap = float((replayed.logprobs - eager.logprobs)[eager.mask].abs().max()) if same else math.inf
+    print(f"graphs against eager steps: sampled tokens {'equal' if same else 'DIFFER'}, largest logprob "
+          f"difference {gap:.1e} ({cudagraphs.graphs_line()})", flush=True)
+    return same and gap <= 1e-4
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -280,7 +296,8 @@ def main():
     ap.add_argument("--clock", choices=["cpu", "wall"], default=None,
                     help="time measured: process CPU time or wall time (default: cpu on a CPU device, else wall)")
     ap.add_argument("--check", action="store_true",
-                    help="only check greedy parity with model.generate on --device (tiny fp32 model), then exit")
+                    help="only check greedy parity with model.generate and sampled rows with CUDA graphs against eager "
+                         "steps on --device (tiny fp32 model), then exit")
     ap.add_argument("--samplers", default="lockstep,continuous,model.generate",
                     help="comma-separated subset of lockstep, continuous, model.generate, in the order run")
     args = ap.parse_args()

@@ -30,7 +30,8 @@
 # decode: the decode step in the paper's regime (bench/decode.py --section paper): the 0.6B
 #    shape with LoRA r64, 120 rows, W = 512 / 2,560 / 5,120: ms per step (CUDA graphs on), and
 #    the kernel-launching ops and host syncs per step.
-# sampler: greedy parity with model.generate, then tokens/s of engine.generate against
+# sampler: greedy parity with model.generate, sampled rows replayed from CUDA graphs against the
+#    same call stepped eagerly (equal tokens), then tokens/s of engine.generate against
 #    model.generate on a realistic workload of 256 prompts (half of 512, to leave the voting part
 #    its time; bench/generate.py; rows stop at lognormal lengths,
 #    so the row groups change as in a real call: graph captures per call are counted).
@@ -130,9 +131,10 @@ PY
 }
 
 run_sampler() {
-part "sampler: parity with model.generate, then tokens/s"
+part "sampler: parity with model.generate and of graphs with eager steps, then tokens/s"
 limit 30 $PY -u bench/generate.py --check --device "$DEVICE" | tee "$work/parity"
-row "greedy parity with model.generate" "$(tail -1 "$work/parity")"
+row "greedy parity with model.generate" "$(grep '^parity on' "$work/parity")"
+row "sampled rows, graphs against eager" "$(grep '^graphs against' "$work/parity")"
 limit 70 $PY -u bench/generate.py --device "$DEVICE" --config "$SCALE" --workload realistic --slots "$SLOTS" \
     --prompts "$PROMPTS" --new "$NEW" --samplers continuous,model.generate --repeats 1 | tee "$work/sampler"
 row "sampler tok/s: continuous vs model.generate" "$(grep -E '^  (continuous|model.generate) ' "$work/sampler" | \
