@@ -578,7 +578,8 @@ class _Writes:
 
     def __init__(self, heads: int, page: int, pages: int, capacity: int, rows: int, device):
         self.heads, self.page, self.pool_pages = heads, page, pages
-        # the larger of "pages"' 3 numbers a page (capacity pages) and "flex"'s P + 1 a row (N < 4 x rows)
+        # the larger of "pages"' 3 numbers a page (capacity pages) and "flex"'s P + 1 a row (N < 4 x rows,
+        # P at least 2: capacity counts every row at 2 pages or more)
         self.meta = torch.zeros(2 * rows + 4 * (rows + capacity), dtype=torch.long, device=device)
         self.head = torch.arange(heads, device=device)
         self.columns = torch.arange(page, device=device)
@@ -1356,7 +1357,7 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     _row_count(len(prompts), need, bpt, kv_budget, max_rows)       # a budget below the longest row: refused
     total = _pool_pages(prompts, limits, page, page * bpt, kv_budget)
     most = int(pages_for(need, page))
-    writes = _Writes(_kv_heads_and_dim(model.config)[0], page, total, S * most, S, dev)
+    writes = _Writes(_kv_heads_and_dim(model.config)[0], page, total, S * max(most, 2), S, dev)   # flex's P >= 2
     cache = _page_cache(model, total, page, writes)
     job = _new_job(prompts, limits, pad_id, share_prefix, row_keys(keys, len(prompts), dev), dev)
     slots = _slots(model, S, dev, cuda_graphs and cudagraphs.usable(dev))

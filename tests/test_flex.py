@@ -130,6 +130,18 @@ def test_flex_generation_samples_what_generate_simple_does(monkeypatch):
     assert stats["preempted"] > 0 and stats["rows"] > 1 and engine.FLEX["refused"] == ""
 
 
+def test_flex_generation_of_rows_that_fit_one_page_each(monkeypatch):
+    # CUDA's pages of 64 with rows shorter than a page: flex's tables are still 2 pages wide, and
+    # _Writes.meta holds them (it once held 4 numbers a row's page, too few for 16 rows x 3)
+    monkeypatch.setitem(engine.ATTEND, "cpu", "flex")
+    monkeypatch.setitem(engine.PAGE, "cpu", 64)
+    m = tiny_qwen3(seed=0)
+    prompts, keys = [[5 + i % 7, 6, 7] for i in range(20)], [seeds.key("short", i) for i in range(20)]
+    simple = rollout.generate_simple(m, prompts, 4, STOP, PAD, temperature=0.7, seed=2, keys=keys)
+    fast = engine.generate(m, prompts, 4, STOP, PAD, temperature=0.7, seed=2, keys=keys, max_rows=5)
+    assert_same_generation(fast, simple)
+
+
 def test_flex_between_replayed_graph_pieces_samples_what_generate_simple_does(fake_cuda, monkeypatch):
     # as on CUDA: each layer's flex attention runs in a hole between captured pieces, reading the
     # tables the step before it copied out (a replay that read the capture's would sample wrong)
