@@ -17,7 +17,9 @@ What it decides, and why:
   again (so does an eager step after a capture that failed). Later runs of the key replay it.
 - a step is captured in pieces: where it calls `hole(fn)`, the piece so far is ended, fn() runs
   eagerly, and a new piece begins; a replay runs piece, hole, piece, ..., each hole's result
-  copied into the tensor it gave at capture, which the next piece reads. The engine's hole is
+  copied into the tensor it gave at capture (unless it wrote there), which the next piece reads.
+  A graph keeps what its holes read and return for its life: the engine's are views of buffers
+  kept once for all row buckets (engine._Slots.stage), not tensors of each bucket's own. The engine's hole is
   each layer's paged attention, whose shapes change every step (the pages its rows hold), so
   the rest of the step (every weight, ~95% of its kernels) is one graph per row bucket, kept for
   the process, the way vLLM's piecewise graphs leave attention out.
@@ -127,7 +129,9 @@ class _Pieces:
             g.replay()
             if i < len(self.holes):
                 fn, out = self.holes[i]
-                out.copy_(fn())
+                res = fn()
+                if res.data_ptr() != out.data_ptr():   # a hole that writes its result in place needs no copy
+                    out.copy_(res)
 
 
 class StepGraphs:

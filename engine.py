@@ -62,7 +62,8 @@ attends every row over the widest one. `generate` keeps what it samples and chan
   KEEP_WEIGHTS sets of weights), and replayed (cudagraphs.py: the model's device current, a
   failed capture retried once, then graphs off for the process, said in the step line).
   Elsewhere the step runs eagerly. What is kept lives through the update: each set's graph
-  memory pool and its (S, V) fp32 logits.
+  memory pool, its (S, V) fp32 logits and its hole buffers (what each layer's attention reads
+  and returns, one set for all row buckets: _Slots.stage).
 - attention kernels: on CUDA the SDPA kernels are pinned for the prefill (policies.attention_kernels
   here, and policies.cuda_settings for the whole run): flash where no mask is passed, never
   cuDNN's, which PyTorch 2.9+ tries first on H100/H200 and which builds a plan for every new
@@ -191,6 +192,14 @@ def kv_bytes_per_token(config, dtype) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def hole_bytes_per_row(config, dtype) -> int:
+    """Bytes of the decode graphs' hole buffers (_Slots.stage) a row slot holds: each layer's q
+    and attention output (Hq heads each), k and v (Hkv each)."""
+    heads, head_dim = _kv_heads_and_dim(config)
+    size = torch.empty((), dtype=dtype).element_size()
+    return config.num_hidden_layers * 2 * (config.num_attention_heads + heads) * head_dim * size
+
+
 def rows_that_fit(kv_budget: int, bytes_per_token: int, length: int, page: int = 1) -> int:
     """Rows of `length` tokens (prompt + max_new_tokens, in whole pages of `page` tokens) that
     `kv_budget` bytes hold, the trash page aside: the rows in flight at once when every row runs
@@ -239,15 +248,17 @@ def _row_count(prompts: int, need: int, bytes_per_token: int, kv_budget, max_row
     return held
 
 
-def beside_cache(free: int, share: str, kv_budget: int, trainable: int, rows: int, vocab: int, sets: int) -> str:
+def beside_cache(free: int, share: str, kv_budget: int, trainable: int, rows: int, vocab: int, sets: int,
+                 hole_bytes: int = 0) -> str:
     """The plan's CUDA part: the memory free after loading, the KV budget's share of it, and what
     must fit beside the cache while it lives: the AdamW states (16 B a trainable weight), what
-    sampling holds (SAMPLE_BYTES a row and vocabulary entry) and the (rows, V) fp32 logits kept
-    with each of `sets` sets of weights' decode graphs (_Slots)."""
+    sampling holds (SAMPLE_BYTES a row and vocabulary entry) and what each of `sets` sets of
+    weights' decode graphs keeps (_Slots): (rows, V) fp32 logits and `hole_bytes` a row of hole
+    buffers (hole_bytes_per_row)."""
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-    sampling, kept = rows * vocab * SAMPLE_BYTES, sets * rows * vocab * 4
+    sampling, kept = rows * vocab * SAMPLE_BYTES, sets * rows * (vocab * 4 + hole_bytes)
     return (f" | free after loading {gib(free)}: KV {share}, beside it AdamW {gib(16 * trainable)} + "
-            f"sampling {gib(sampling)} + kept decode logits {gib(kept)} = "
+            f"sampling {gib(sampling)} + kept decode logits and hole buffers {gib(kept)} = "
             f"{gib(kv_budget + 16 * trainable + sampling + kept)}")
 
 
@@ -258,7 +269,7 @@ def memory_plan(policy, kv_budget: int, args) -> str:
     or its layer inputs when checkpointed; its head as the update computes it). On CUDA it also gives the numbers behind the default budget: the free
     memory after loading, KV_FRACTION of it for the cache, and what the rest must hold
     while the cache lives (beside_cache: the AdamW states, made at the first update, what
-    sampling holds, and the logits kept with each set of weights' decode graphs).
+    sampling holds, and the logits and hole buffers kept with each set of weights' decode graphs).
     The cache lives only inside a generate call, so the update has all the free memory. The
     prompt length is the limit, else the longest prompt expected: an aggregator's three clipped
     solutions plus ~512 tokens of instruction and problem (a solution is a completion, so it is
@@ -283,7 +294,8 @@ def memory_plan(policy, kv_budget: int, args) -> str:
     if device.type == "cuda":
         share = "--kv-budget-gb" if a.kv_budget_gb else f"{KV_FRACTION:g} of it"
         sets = min(KEEP_WEIGHTS, len(p.names)) if getattr(a, "cuda_graphs", "on") == "on" else 0
-        why = beside_cache(torch.cuda.mem_get_info(device)[0], share, kv_budget, trainable, rows, cfg.vocab_size, sets)
+        why = beside_cache(torch.cuda.mem_get_info(device)[0], share, kv_budget, trainable, rows, cfg.vocab_size, sets,
+                           hole_bytes_per_row(cfg, next(p.model.parameters()).dtype))
     return (f"memory: weights {gib(weights)} | trainable {trainable / 1e6:.1f}M x 16 B (fp32 + grad + AdamW) "
             f"{gib(16 * trainable)} | {kv_budget_line(kv_budget, per_tok, prompt, a.max_new_tokens, page)} "
             f"({per_tok / 1024:.0f} KiB a token){why} | micro-batch {a.token_budget} tokens: {head}, "
@@ -529,16 +541,22 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
                      **kwargs):
     """transformers' attention function while `generate` runs (registered as ATTENTION). A decode
     step (`paged`, the _Slots passed through the model's forward) writes the step's K/V into the
-    pool of its call and attends the rows' pages (_Slots.attend), in a cudagraphs.hole: the one
-    part of a decode step whose shapes change every step, so it runs eagerly between the pieces
-    of a captured step. A prefill goes to transformers' SDPA function as it is. Returns
+    pool of its call and attends the rows' pages (_Slots.attend); with graphs, in a
+    cudagraphs.hole: the one part of a decode step whose shapes change every step, so it runs
+    eagerly between the pieces of a captured step, reading and writing _Slots' hole buffers
+    (`stage`). A prefill goes to transformers' SDPA function as it is. Returns
     ((n, 1, Hq, D), None), the attention functions' contract."""
     if paged is None or query.shape[2] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     i = module.layer_idx
-    return cudagraphs.hole(lambda: paged.attend(i, query, key, value, scaling)), None
+    if paged.graphs is None:
+        return paged.attend(i, query, key, value, scaling), None
+    # a hole keeps what it reads and returns for its graph's life: views of _Slots' buffers, so the
+    # graphs of every row bucket share them (their own tensors would hold 12 KiB a row, layer and bucket at 0.6B)
+    q, k, v, out = paged.stage(i, query, key, value)
+    return cudagraphs.hole(lambda: out.copy_(paged.attend(i, q, k, v, scaling))), None
 
 
 AttentionInterface.register(ATTENTION, decode_attention)
@@ -1188,13 +1206,29 @@ class _Slots:
     passed (all True: paged_attention masks by pages). `cache` and `writes` are the call's now,
     which the eager attention between the graphs' pieces looks up (`attend`)."""
 
-    def __init__(self, S: int, vocab: int, device, graphs: bool):
+    def __init__(self, S: int, config, dtype, device, graphs: bool):
         self.tok = torch.zeros(S, dtype=torch.long, device=device)
         self.pos = torch.zeros(S, dtype=torch.long, device=device)
-        self.logits = torch.zeros((S, vocab), dtype=torch.float32, device=device)
+        self.logits = torch.zeros((S, config.vocab_size), dtype=torch.float32, device=device)
         self.ones = torch.ones((S, 1, 1, 1), dtype=torch.bool, device=device)
         self.graphs = cudagraphs.StepGraphs(device) if graphs else None
         self.cache = self.writes = None
+        # with graphs, each layer's hole buffers: the step's q (S, Hq, 1, D), k and v (S, Hkv, 1, D)
+        # and the attention's output (S, 1, Hq, D) (hole_bytes a row)
+        Hkv, D = _kv_heads_and_dim(config)
+        Hq = config.num_attention_heads
+        shapes = ((Hq, 1, D), (Hkv, 1, D), (Hkv, 1, D), (1, Hq, D))
+        self.holes = [[torch.zeros((S, *sh), dtype=dtype, device=device) for sh in shapes]
+                      for _ in range(config.num_hidden_layers)] if graphs else None
+
+    def stage(self, i: int, query, key, value) -> list:
+        """Layer i's hole buffers for the step's n rows, the step's q, k and v copied in (inside a
+        captured piece: every replay copies them): [q, k, v, out]."""
+        n = query.shape[0]
+        bufs = [b[:n] for b in self.holes[i]]
+        for b, t in zip(bufs, (query, key, value)):
+            b.copy_(t)
+        return bufs
 
     def attend(self, i: int, query, key_states, value_states, scaling: float):
         """Layer i of a decode step: its new K/V into the call's pool, then the rows' pages."""
@@ -1219,13 +1253,12 @@ def _weights_key(model) -> tuple:
 def _slots(model, S: int, dev, graphs: bool) -> _Slots:
     """The call's _Slots: with graphs, the kept ones of these weights when they hold S rows (else
     new ones, kept, the oldest let go past KEEP_WEIGHTS); without, new ones."""
-    vocab = model.config.vocab_size
     if not graphs:
-        return _Slots(S, vocab, dev, False)
+        return _Slots(S, model.config, model.dtype, dev, False)
     key = (str(dev), _weights_key(model))
     slots = _KEPT.pop(key, None)
-    if slots is None or len(slots.tok) < S or slots.logits.shape[1] != vocab:
-        slots = _Slots(S, vocab, dev, True)
+    if slots is None or len(slots.tok) < S or slots.logits.shape[1] != model.config.vocab_size:
+        slots = _Slots(S, model.config, model.dtype, dev, True)
     _KEPT[key] = slots
     while len(_KEPT) > KEEP_WEIGHTS:
         _KEPT.pop(next(iter(_KEPT)))

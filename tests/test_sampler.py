@@ -297,13 +297,18 @@ def test_the_memory_plan_counts_an_embedded_solution_at_most_one_completion():
 
 def test_the_memory_plan_adds_the_kept_decode_logits_to_what_fits_beside_the_cache():
     """On CUDA the plan sums what must fit beside the KV cache: AdamW, sampling and, per set of
-    weights whose decode graphs are kept, its (rows, V) fp32 logits."""
+    weights whose decode graphs are kept, its (rows, V) fp32 logits and hole buffers."""
     gib = 2**30
-    line = engine.beside_cache(40 * gib, "0.85 of it", 34 * gib, 2**26, rows=1024, vocab=2**18, sets=4)
-    assert "AdamW 1.00 GiB" in line and "kept decode logits 4.00 GiB" in line
+    line = engine.beside_cache(40 * gib, "0.85 of it", 34 * gib, 2**26, rows=1024, vocab=2**18, sets=4,
+                               hole_bytes=2**18)
+    assert "AdamW 1.00 GiB" in line and "kept decode logits and hole buffers 5.00 GiB" in line
     assert f"sampling {1024 * 2**18 * engine.SAMPLE_BYTES / gib:.2f} GiB" in line
-    assert f"= {39 + 1024 * 2**18 * engine.SAMPLE_BYTES / gib:.2f} GiB" in line
-    assert "kept decode logits 0.00 GiB" in engine.beside_cache(40 * gib, "x", gib, 0, 8, 16, sets=0)
+    assert f"= {40 + 1024 * 2**18 * engine.SAMPLE_BYTES / gib:.2f} GiB" in line
+    assert "kept decode logits and hole buffers 0.00 GiB" in engine.beside_cache(40 * gib, "x", gib, 0, 8, 16, sets=0)
+    # Qwen3-0.6B's shape in bf16: 28 layers x 2 x (16 + 8) heads x 128 x 2 B = 336 KiB a row
+    from transformers import Qwen3Config
+    cfg = Qwen3Config(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    assert engine.hole_bytes_per_row(cfg, torch.bfloat16) == 336 * 1024
 
 
 def test_top_p_exact_tie_keeps_only_the_smallest_prefix():
