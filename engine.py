@@ -869,20 +869,25 @@ def _distinct(job: _Job, i: int):
 def _admissible(st: _Rows, job: _Job) -> list:
     """The waiting prompts that can start now, in queue order: while a slot is free and the free
     pages hold the next one's prompt (a copy of a kept or co-admitted prompt shares its full
-    pages) and leave one page for every row in flight and admitted (a step takes at most one a
-    row, so admitting does not at once preempt). Stops at the first that does not fit, so
+    pages) and leave one page for every row in flight and admitted that will need one more
+    (a step takes at most one a row, so admitting does not at once preempt; a row whose pages
+    already hold its prompt and limit takes none). Stops at the first that does not fit, so
     prompts start in queue order."""
-    page, slots = st.pages.page, int((st.host.busy == 0).sum())
-    spare, out, fresh, rows = len(st.pages.free), [], set(), int(st.host.busy.sum())
+    h, page, slots = st.host, st.pages.page, int((st.host.busy == 0).sum())
+    spare, out, fresh, rows = len(st.pages.free), [], set(), int(h.busy.sum())
+    busy = np.flatnonzero(h.busy)
+    growing = int((st.pages.held[busy] < pages_for(h.pos[busy] + 1 + h.limit[busy] - h.made[busy], page)).sum())
     for i in job.queue:
         if len(out) == slots:
             break
         q, P = _distinct(job, i), len(_prompt(job, i))
         need = pages_for(P, page) - (P // page if q in job.kept or q in fresh else 0)
-        growth = rows + len(out) + 1 if rows + len(out) else 0      # a row alone fits the pool by its size
-        if need + growth > spare:
+        grows = int(pages_for(P + int(job.limits[i]) - len(job.resumed.get(i, ())), page) > pages_for(P, page))
+        reserve = growing + grows if rows + len(out) else 0       # a row alone fits the pool by its size
+        if need + reserve > spare:
             break
         spare -= need
+        growing += grows
         fresh.add(q)
         out.append(i)
     return out

@@ -639,6 +639,20 @@ def test_a_long_prompt_among_short_ones_holds_about_its_rows_own_tokens():
         assert 1.0 <= ratio <= 1.2 and stats["rows"] == 64
 
 
+def test_every_row_runs_at_once_when_the_pool_holds_every_row(monkeypatch):
+    """Without a budget the pool holds every row's prompt and limit; rows that already hold
+    their last page (here all, in CUDA's pages of 64) need no page kept for their growth, so
+    all start at once (a page kept for each row in flight let 2 of 5 run)."""
+    monkeypatch.setitem(engine.PAGE, "cpu", 64)
+    m = tiny_qwen3(seed=0)
+    prompts = [[5 + i, 6, 7] for i in range(5)]
+    for limits in (4, [4, 4, 70, 4, 4]):            # one row crosses into a second page
+        stats = {}
+        out = engine.generate(m, prompts, limits, STOP, PAD, temperature=0.7, seed=1, stats=stats)
+        assert stats["rows"] == 5 and stats["preempted"] == 0
+        assert_same_generation(out, rollout.generate_simple(m, prompts, limits, STOP, PAD, temperature=0.7, seed=1))
+
+
 def test_prefill_chunks_are_the_cheapest_cut_within_the_token_cap(monkeypatch):
     """Prompts longest first, every one in one chunk; a forward costs PREFILL_CALL padded tokens:
     a cheap one splits where the length falls most, a dear one never; PREFILL_TOKENS still caps
