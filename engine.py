@@ -307,6 +307,28 @@ def memory_plan(policy, kv_budget: int, args) -> str:
 ATTENTION = "marl_pages"  # the name decode_attention has in transformers' AttentionInterface
 
 
+BMM_OUT_DTYPE = {"cuda": None}   # whether torch.bmm takes out_dtype here (None: not tried yet)
+
+
+def bmm32(a, b):
+    """a @ b for (X, Y, m, k) and (X, Y, k, n) with fp32 results (X, Y, m, n): half-precision
+    inputs multiplied with one rounding, the fp32 accumulator's, by torch.bmm's out_dtype on CUDA
+    (torch 2.8 and later; else widened first), and widened on a CPU (a no-op for fp32). A
+    product in bf16 would round every attention score to 8 bits before the softmax, which the
+    trainer's attention does not."""
+    X, Y = a.shape[:2]
+    a3, b3 = a.reshape(X * Y, *a.shape[2:]), b.reshape(X * Y, *b.shape[2:])   # b3: a view where b is (X, Y) major
+    out = None
+    if a.is_cuda and a.dtype != torch.float32 and BMM_OUT_DTYPE["cuda"] is not False:
+        try:
+            out, BMM_OUT_DTYPE["cuda"] = torch.bmm(a3, b3, out_dtype=torch.float32), True
+        except (RuntimeError, TypeError):
+            BMM_OUT_DTYPE["cuda"] = False
+    if out is None:
+        out = torch.bmm(a3.float(), b3.float())
+    return out.view(X, Y, *out.shape[1:])
+
+
 def paged_attention(query, pool_k, pool_v, step, scaling: float):
     """One-token queries (n, Hq, 1, D) over their rows' pages: step.pages (C,) pages of the pools
     (Hkv, pages, PAGE, D), page c attended by row step.rows[c] over its first step.valid[c]
@@ -314,20 +336,21 @@ def paged_attention(query, pool_k, pool_v, step, scaling: float):
     then a row's pages are joined: out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M the
     row's largest m_c: the softmax over the row's columns, whatever their pages. The g = Hq / Hkv
     query heads of a KV head are folded into the query axis (query head h uses KV head h // g, as
-    repeat_kv pairs them), so no K/V is copied per head. A pad page (CUDA's page buckets) belongs
-    to row n, dropped. Returns (n, 1, Hq, D)."""
+    repeat_kv pairs them), so no K/V is copied per head, and the gathered pages are multiplied as
+    they lie (KV head, page): no copy of them either. Scores and each page's output are fp32
+    products (bmm32), as in the trainer's attention. A pad page (CUDA's page buckets) belongs to
+    row n, dropped. Returns (n, 1, Hq, D)."""
     n, Hq, _, D = query.shape
     Hkv = pool_k.shape[0]
     g = Hq // Hkv
-    q = query.reshape(n, Hkv, g, D)[step.rows_q]                     # (C, Hkv, g, D): each page's row
+    q = query.reshape(n, Hkv, g, D)[step.rows_q].transpose(0, 1)     # (Hkv, C, g, D): each page's row
     k, v = pool_k.index_select(1, step.pages), pool_v.index_select(1, step.pages)   # (Hkv, C, PAGE, D) gathered
-    k, v = k.permute(1, 0, 3, 2), v.transpose(0, 1)                  # (C, Hkv, D, PAGE), (C, Hkv, PAGE, D)
-    s = (q @ k).float() * scaling                                    # (C, Hkv, g, PAGE) fp32
-    s = s.masked_fill(~step.mask, float("-inf"))                     # every page has a valid column
-    m = s.amax(-1)                                                   # (C, Hkv, g)
-    p = torch.exp(s - m[..., None])                                  # (C, Hkv, g, PAGE)
-    o = (p.to(v.dtype) @ v).float()                                  # (C, Hkv, g, D)
-    l = p.sum(-1)                                                    # (C, Hkv, g)
+    s = bmm32(q, k.transpose(-1, -2)) * scaling                      # (Hkv, C, g, PAGE) fp32, as gathered: no copy
+    s = s.masked_fill(~step.mask[:, 0], float("-inf"))               # every page has a valid column
+    m = s.amax(-1)                                                   # (Hkv, C, g)
+    p = torch.exp(s - m[..., None])                                  # (Hkv, C, g, PAGE)
+    o = bmm32(p.to(v.dtype), v).transpose(0, 1)                      # (C, Hkv, g, D)
+    m, l = m.transpose(0, 1), p.sum(-1).transpose(0, 1)              # (C, Hkv, g)
     rows = step.rows[:, None, None].expand_as(m)                     # (C, Hkv, g)
     M = m.new_full((n + 1, Hkv, g), float("-inf")).scatter_reduce(0, rows, m, "amax")   # (n+1, Hkv, g)
     w = torch.exp(m - M[step.rows])                                  # (C, Hkv, g) each page's weight

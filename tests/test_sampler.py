@@ -571,6 +571,26 @@ MIXED = MANY + [list(range(3, 40)), list(range(7, 25))]   # two long prompts amo
 MIXED_LIMITS = LIMITS + [6, 13]
 
 
+def test_paged_attention_on_bf16_rounds_only_its_output():
+    """bf16 queries and pages, as a CUDA run has: the scores and each page's output are fp32
+    products (engine.bmm32), so the output is as close to a float64 softmax over the same values
+    as rounding that softmax to bf16 is (scores rounded to bf16 were 3x further off here)."""
+    g = torch.Generator().manual_seed(0)
+    n, H, gq, D, page, W = 4, 2, 2, 128, 8, 64
+    P = W // page
+    q = (3 * torch.randn(n, H * gq, 1, D, generator=g)).bfloat16()
+    pool_k, pool_v = (torch.randn(H, n * P + 1, page, D, generator=g).bfloat16() for _ in range(2))
+    pages, rows = [1 + r * P + j for r in range(n) for j in range(P)], [r for r in range(n) for _ in range(P)]
+    out = engine.paged_attention(q, pool_k, pool_v, Step(n, pages, rows, [page] * len(pages), page), D ** -0.5)
+    ref = torch.empty(n, 1, H * gq, D, dtype=torch.float64)
+    for r in range(n):
+        K, V = (pool[:, 1 + r * P:1 + (r + 1) * P].reshape(H, W, D).double().repeat_interleave(gq, 0)
+                for pool in (pool_k, pool_v))
+        ref[r] = (torch.softmax(q[r].double() @ K.transpose(1, 2) * D ** -0.5, -1) @ V).transpose(0, 1)
+    err, rounding = ((x - ref).abs().max() / ref.abs().max() for x in (out.double(), ref.bfloat16().double()))
+    assert out.dtype == torch.bfloat16 and err <= 1.2 * rounding
+
+
 @pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
 def test_pages_of_any_size_sample_what_generate_simple_does(build, monkeypatch):
     # pages of 1, 3 and 8 tokens (rows cross page boundaries at every step, some, or seldom), attended
