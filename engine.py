@@ -1403,7 +1403,9 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     """Sample a completion for every prompt (a list of token-id lists), as generate_simple does.
     `max_new_tokens`: one limit, or one per prompt. Row i's token t is drawn with
     seeds.uniforms(seed, keys[i], t), so what a row samples does not depend on the slot or pages
-    it gets or on which rows share the call. At most `kv_budget` bytes of KV cache (None: every
+    it gets or on which rows share the call (exactly in fp32 on a CPU, what the tests check; in
+    bf16 on a GPU its logits round with the kernels its row bucket gets and, when preempted, with
+    its re-prefill, so a draw that falls at the boundary of two tokens can differ). At most `kv_budget` bytes of KV cache (None: every
     row at once) and `max_rows` rows in flight. `cuda_graphs`: replay decode steps from CUDA
     graphs on a CUDA device. `stats`, a dict, gets prefill_rows (prompts run through a prefill),
     decode_steps, attended_columns / own_columns (pages x PAGE each step attends, and its rows'

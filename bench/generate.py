@@ -224,8 +224,18 @@ def voting_call(model, args, attend: str, prompts: list, limits: list) -> float:
 
 def check_parity(device: str) -> None:
     """Greedy engine.generate with per-row limits, in a budget of 3 of the longest rows (in pages,
-    and the trash page), against model.generate on each prompt alone (fp32, a tiny random Qwen3):
-    exits 1 on a mismatch."""
+    and the trash page), against model.generate on each prompt alone (fp32, a tiny random Qwen3),
+    then graphs against eager steps (graphs_equal_eager): exits 1 on a mismatch. Pages of 4
+    tokens on CUDA too, so rows span pages and cross into new ones between replays."""
+    page = engine.PAGE["cuda"]
+    engine.PAGE["cuda"] = 4
+    try:
+        _check_parity(device)
+    finally:
+        engine.PAGE["cuda"] = page
+
+
+def _check_parity(device: str) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -246,16 +256,17 @@ def check_parity(device: str) -> None:
         bad += not torch.equal(ours, ref[: len(ours)]) or bool((ref[len(ours):] != 0).any())
     print(f"parity on {device}: {len(prompts) - bad}/{len(prompts)} prompts equal model.generate alone "
           f"({int(out.finished.sum())} stopped)", flush=True)
-    bad += not graphs_equal_eager(model, prompts, limits, stop, budget)
+    bad += not graphs_equal_eager(model, prompts, limits, stop, None)
     if bad:
         sys.exit(1)
 
 
 def graphs_equal_eager(model, prompts, limits, stop, budget) -> bool:
     """Sampled (T 0.7, keyed) engine.generate with CUDA graphs against the same call stepped
-    eagerly: a replay runs the kernels the eager step runs, so tokens must be equal and logprobs
-    within 1e-4 (a graph that replayed stale inputs, or K/V a capture left wrong, shows here).
-    On a CPU both run eagerly."""
+    eagerly, every row at once (budget None: row buckets up to 16, then smaller as rows end): a
+    replay runs the kernels the eager step runs, so tokens must be equal and logprobs within 1e-4
+    (a graph that replayed stale inputs, or K/V a capture left wrong, shows here). On a CPU both
+    run eagerly."""
     kw = dict(temperature=0.7, seed=1, keys=list(range(len(prompts))), kv_budget=budget)
     replayed = engine.generate(model, prompts, limits, stop, 0, **kw)
     eager = engine.generate(model, prompts, limits, stop, 0, cuda_graphs=False, **kw)
