@@ -71,12 +71,14 @@ def measured_update(policy, optimizers, schedulers, samples, hp, shuffle=None, *
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()   # weights, the kept decode graphs' buffers and pools
     t = time.perf_counter()
     out = real_update(policy, optimizers, schedulers, samples, hp, shuffle=shuffle, **kwargs)
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t
-    peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if cuda else "n/a (CPU)"
+    peak = (f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB ({held / 2**30:.2f} GiB held as it began: "
+            f"weights, kept decode graphs)" if cuda else "n/a (CPU)")
     work = f", {rate(flops, seconds, cuda)}" if flops else ""
     print(f"update: {seconds:.1f} s, peak {peak}{work}", flush=True)
     return out
