@@ -78,7 +78,8 @@ def _what_flags(g):
     g.add_argument("--sharing", default="shared", choices=["shared", "isolated"],
                     help="shared: one set of trainable weights for all roles; isolated: one per role (default: %(default)s)")
     g.add_argument("--isolation", default="lora", choices=["lora", "full"],
-                    help="what a role's weights are: a LoRA adapter, or a full copy of the model (default: %(default)s)")
+                    help="what a role's weights are: a LoRA adapter, or a full copy of the model, trained in "
+                         "float32 (--dtype float32; default: %(default)s)")
     add_workflow_flags(g)
     g.add_argument("--toy-check", type=int, default=None, help="toy world only: the supervisors (aggregator, "
                    "evaluator) write a check of this many tokens before their verdict, learned in the warm start "
@@ -182,7 +183,9 @@ def _run_flags(g):
     g.add_argument("--out", default=None, help="run folder (default: runs/WORKFLOW-TASK-SHARING-SCALE-sSEED)")
     g.add_argument("--resume", default=None, metavar="RUN", help="continue the run in this folder with its saved configuration")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="base model dtype (default: bfloat16 on GPU, float32 on CPU)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="base model dtype (default: bfloat16 on GPU, float32 on CPU; float16 is refused: the "
+                        "update has no loss scaling)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -323,6 +326,7 @@ def check_args(ap, args):
     _check_workflow_params(ap, args)
     _check_run(ap, args)
     _check_device(ap, args.device)
+    _check_precision(ap, args)
     package = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(args.log_to)
     if package and importlib.util.find_spec(package) is None:  # before minutes of model loading
         ap.error(f"--log-to {args.log_to} needs the {package} package: pip install {package}")
@@ -408,6 +412,20 @@ def hyper(args):
     import grpo
     return grpo.Hyper(**{f.name: getattr(args, f.name) for f in dataclasses.fields(grpo.Hyper)
                          if f.name not in ("skip_zero", "packing")})
+
+
+def _check_precision(ap, args):
+    """What the update cannot train: float16 (it has no loss scaling) and full copies whose
+    weights and AdamW states are half precision (a LoRA adapter and its states stay fp32)."""
+    import torch
+    if args.dtype == "float16":
+        ap.error("--dtype float16: the update has no loss scaling, and a token's gradient (about 1e-6 at the paper's "
+                 "sizes) underflows float16; use bfloat16 (float32's range) or float32")
+    on_gpu = str(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if args.isolation == "full" and (args.dtype == "bfloat16" or (args.dtype is None and on_gpu)):
+        ap.error("--isolation full trains each copy and its AdamW states in the base's dtype, and in bfloat16 (the "
+                 "default on a GPU) most steps round away (a weight of 0.02 moves in steps of 1.2e-4, AdamW's at "
+                 "lr 1e-6 are 1e-6); pass --dtype float32")
 
 
 def _check_device(ap, device):

@@ -32,6 +32,7 @@ from conftest import refused
     ("--lr-role", "generator=fast", "--lr-role 'generator=fast': expected ROLE=VALUE with a number"),
     ("--lr-role", "critic=0", "--lr-role critic: not a role of voting"),
     ("--tis", "0.5", "--tis C needs C > 1 and --top-p 1"),
+    ("--dtype", "float16", "--dtype float16: the update has no loss scaling"),
 ])
 def test_values_that_cannot_be_meant_are_refused_in_one_line(capsys, tmp_path, flag, value, message):
     line = refused(capsys, [flag, value, "--out", str(tmp_path / "r")])
@@ -56,6 +57,18 @@ def test_a_cuda_index_the_machine_lacks_is_one_line(capsys, tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     err = refused(capsys, ["--device", "cuda:7", "--out", str(tmp_path / "r")])
     assert "--device cuda:7: this machine has 1 CUDA device(s), cuda:0 to cuda:0" in err
+
+
+def test_full_copies_in_bfloat16_are_refused_in_one_line(capsys, tmp_path, monkeypatch):
+    """A full copy trains its weights and AdamW states in the base's dtype: in bfloat16, the
+    default on a GPU, most steps round away; a LoRA adapter keeps fp32 weights and states."""
+    said = "--isolation full trains each copy and its AdamW states in the base's dtype"
+    assert said in refused(capsys, ["--isolation", "full", "--dtype", "bfloat16", "--out", str(tmp_path / "r")])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)        # the default device and dtype: cuda, bf16
+    assert said in refused(capsys, ["--isolation", "full", "--out", str(tmp_path / "r")])
+    assert flags.parse_args(["--isolation", "full", "--dtype", "float32", "--out", str(tmp_path / "r")]).dtype == "float32"
+    assert flags.parse_args(["--dtype", "bfloat16", "--out", str(tmp_path / "r")]).isolation == "lora"
+    assert not (tmp_path / "r").exists()
 
 
 def test_tis_under_top_p_is_refused_in_one_line(capsys, tmp_path):
