@@ -21,6 +21,11 @@ Choices:
   parts they read themselves (dynamics.SlotParts), only when they are on.
 - Scalars and small records (counts, evaluation results, the rows' shapes) go through
   `sum` / `gather` (all_gather_object), which every rank must call in the same order.
+- A stop (Ctrl-C or SIGTERM to the ranks) stops every rank at the same step; they leave
+  together (`close`) once rank 0 has saved. Sent to torchrun itself (a Ctrl-C in its
+  terminal: the ranks run in sessions of their own), a signal is passed on to the ranks, which
+  torchrun kills 30 s later, so a longer step is not saved: stop a job's ranks
+  (`pkill -INT -P TORCHRUN_PID`), or count on the periodic saves.
 - Failure: a rank that raises exits non-zero; its peers' next collective fails (gloo: the
   connection closes) or torchrun stops them (SIGTERM, then SIGKILL after its shutdown
   timeout), so the job never hangs. train.main is wrapped in torch's `record`, so torchrun's
@@ -118,5 +123,9 @@ def init(device: str | None = None) -> Comm | None:
 
 
 def close(comm: Comm | None) -> None:
+    """Leave the job together: a rank that exited while rank 0 still saved its last checkpoint
+    would make torchrun stop rank 0 in the middle of the save (it stops every rank once one
+    exits non-zero, as 130 after a Ctrl-C is)."""
     if comm is not None and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

@@ -6,6 +6,7 @@ One launch runs every case, since starting the processes costs more than the upd
     python tests/dp_worker.py OUT CASE [CASE ...]          # one process, every sample
     torchrun --nproc-per-node 2 tests/dp_worker.py OUT CASE [CASE ...]
     torchrun --nproc-per-node 2 tests/dp_worker.py OUT fail MODEL   # train.py; rank 1 raises
+    torchrun --nproc-per-node 2 tests/dp_worker.py OUT stop MODEL   # train.py; both ranks get SIGINT
 
 The ranks hold unequal numbers of calls per role; one process holds rank 0's samples, then
 rank 1's, which is the global order the ranks shuffle and cut their mini-batches from.
@@ -58,6 +59,31 @@ def fail_in_train(out, model):
                         "--eval-problems", "2", "--lora-rank", "2", "--device", "cpu", "--quiet", "--out", out])
 
 
+def stop_in_train(out, model):
+    """train.py under torchrun, every rank sent SIGINT in its first update (a stop sent to the
+    ranks), rank 0's save slowed by 3 s: rank 1 must not leave before rank 0 has saved, or
+    torchrun stops rank 0 in the middle of its save."""
+    import signal
+    import time
+
+    import runfolder
+    import train
+    from torch.distributed.elastic.multiprocessing.errors import record
+    real_update, real_save = grpo.update, runfolder.save_checkpoint
+
+    def update(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_update(*a, **k)
+
+    def save(*a, **k):
+        time.sleep(3)
+        return real_save(*a, **k)
+    grpo.update, runfolder.save_checkpoint = update, save
+    record(train.main)(["--scale", model, "--data", "toy_math", "--workflow", "single", "--steps", "3",
+                        "--problems-per-step", "2", "--group-size", "2", "--max-new-tokens", "4",
+                        "--eval-problems", "2", "--lora-rank", "2", "--device", "cpu", "--quiet", "--out", out])
+
+
 def update_once(comm, out, case):
     sharing, plain = case.split("-")[0], case.endswith("-plain")   # plain: the method alone
     torch.manual_seed(0)
@@ -90,8 +116,8 @@ def update_once(comm, out, case):
 
 
 def main(out, cases):
-    if cases[0] == "fail":
-        return fail_in_train(out, cases[1])
+    if cases[0] in ("fail", "stop"):
+        return (fail_in_train if cases[0] == "fail" else stop_in_train)(out, cases[1])
     comm = parallel.init("cpu")
     for case in cases:
         update_once(comm, out, case)

@@ -3,7 +3,8 @@
 - the same samples split over 2 ranks (unequal calls per role) give the same adapters after
   two updates, and the same per-role and per-slot diagnostics, as 1 process holding them all;
 - a 2-rank toy run of train.py writes one well-formed run folder, and --resume continues it;
-- a rank that raises ends the job non-zero within a bounded time, naming the rank and why.
+- a rank that raises ends the job non-zero within a bounded time, naming the rank and why;
+- a stop sent to the ranks saves the step before any rank leaves.
 """
 import json
 import os
@@ -185,3 +186,12 @@ def test_a_failing_rank_ends_the_job_and_is_named(tmp_path):
     assert r.returncode != 0 and time.time() - t0 < 150
     summary = r.stderr[r.stderr.index("Root Cause"):]      # torchrun's summary of the failure
     assert re.search(r"rank\s*: 1 ", summary) and "rank 1 failed on purpose" in summary
+
+
+def test_a_stop_sent_to_the_ranks_saves_the_step_before_any_rank_leaves(tmp_path):
+    # rank 0 saves for 3 s; a rank that left at once (exit 130) would make torchrun stop rank 0
+    # in the middle of its save, which then aborts ("this step was not saved")
+    model = save_tiny_toy_model(tmp_path / "model")
+    r = torchrun(WORKER, str(tmp_path / "run"), "stop", model, timeout=150)
+    assert r.returncode != 0 and "interrupted: saved" in r.stdout and "aborted" not in r.stderr, r.stderr[-2000:]
+    assert torch.load(tmp_path / "run" / "ckpt-last" / "state.pt", weights_only=False)["step"] == 1
