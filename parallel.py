@@ -117,9 +117,22 @@ def init(device: str | None = None) -> Comm | None:
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
     if cuda:
+        local = rank_device(local, torch.cuda.device_count())
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
     return Comm(rank, world, f"cuda:{local}" if cuda else "cpu")
+
+
+def rank_device(local: int, visible: int) -> int:
+    """The CUDA index of local rank `local` among `visible` devices: its own where every rank sees
+    every GPU (torchrun's usual case), 0 where each rank sees only its own (a scheduler's
+    CUDA_VISIBLE_DEVICES per task); anything else is a launch that does not fit the machine."""
+    if visible == 1:
+        return 0
+    if local < visible:
+        return local
+    raise RuntimeError(f"local rank {local} on a machine that shows this rank {visible} CUDA devices: start at most "
+                       f"{visible} ranks a node (torchrun --nproc-per-node)")
 
 
 def close(comm: Comm | None) -> None:

@@ -188,7 +188,8 @@ def first_eval(run):
     try:
         acc = run_eval(run, 0)
     except KeyboardInterrupt:
-        runfolder.remove_fresh(run)
+        if run.main:   # rank 0's folder: the other ranks would race it for the same files
+            runfolder.remove_fresh(run)
         print("interrupted during the step-0 evaluation: nothing saved; run the same command to start again",
               file=sys.stderr)
         sys.exit(130)

@@ -195,3 +195,11 @@ def test_a_stop_sent_to_the_ranks_saves_the_step_before_any_rank_leaves(tmp_path
     r = torchrun(WORKER, str(tmp_path / "run"), "stop", model, timeout=150)
     assert r.returncode != 0 and "interrupted: saved" in r.stdout and "aborted" not in r.stderr, r.stderr[-2000:]
     assert torch.load(tmp_path / "run" / "ckpt-last" / "state.pt", weights_only=False)["step"] == 1
+
+
+def test_each_rank_takes_its_own_gpu_or_the_one_it_is_shown():
+    import parallel
+    assert [parallel.rank_device(k, 4) for k in range(4)] == [0, 1, 2, 3]      # every rank sees every GPU
+    assert [parallel.rank_device(k, 1) for k in range(4)] == [0, 0, 0, 0]      # one GPU shown to each rank
+    with pytest.raises(RuntimeError, match="start at most 2 ranks a node"):
+        parallel.rank_device(3, 2)
