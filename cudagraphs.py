@@ -18,11 +18,11 @@ What it decides, and why:
 - a step is captured in pieces: where it calls `hole(fn)`, the piece so far is ended, fn() runs
   eagerly, and a new piece begins; a replay runs piece, hole, piece, ..., each hole's result
   copied into the tensor it gave at capture (unless it wrote there), which the next piece reads.
-  A graph keeps what its holes read and return for its life: the engine's are views of buffers
-  kept once for all row buckets (engine._Slots.stage), not tensors of each bucket's own. The engine's hole is
-  each layer's paged attention, whose shapes change every step (the pages its rows hold), so
-  the rest of the step (every weight, ~95% of its kernels) is one graph per row bucket, kept for
-  the process, the way vLLM's piecewise graphs leave attention out.
+  The engine's hole is each layer's paged attention, whose shapes change every step (the pages
+  its rows hold), so the rest of the step (every weight, ~95% of its kernels) is one graph per
+  row bucket, kept for the process, the way vLLM's piecewise graphs leave attention out. A
+  graph keeps what its holes read and return for its life: the engine's are views of buffers
+  kept once for all row buckets (engine._Slots.stage), not tensors of each bucket's own.
 - every call to `torch.cuda` names the model's device, and a capture runs with that device
   current: a stream or capture on the current device while the model sits on another one (a
   `--device cuda:1` run outside torchrun) records nothing, and an empty graph replays as a no-op
