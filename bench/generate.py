@@ -217,7 +217,9 @@ def voting_call(model, args, attend: str, prompts: list, limits: list) -> float:
           f"at most {stats['rows']} rows at once; attended {stats['attended_columns'] / stats['own_columns']:.3f}x the "
           f"rows' own columns; the weights and own K/V a decode needs, {need / t / 1e12:.2f} TB/s: {share}"
           + (f" (decoded with {used}: flex refused, {engine.FLEX['refused']})" if used != attend else "")
-          + compiled + (f"; {late} graphs compiled inside the timed call" if late and fused else ""), flush=True)
+          + compiled + (f"; {late} graphs compiled inside the timed call" if late and fused else "")
+          + ("; paged_attention's bf16 products widened to fp32 first (torch.bmm took no out_dtype)"
+             if engine.BMM_OUT_DTYPE["cuda"] is False else ""), flush=True)
     print(f"  engine: {cudagraphs.graphs_line()}", flush=True)
     return sum(limits) / t
 
