@@ -74,7 +74,9 @@ attends every row over the widest one. `generate` keeps what it samples and chan
 Invariants, each a test in tests/test_sampler.py (the engine's spec) unless named:
 1. the same samples as generate_simple: tokens, mask (stop token included) and finished flags
    equal, logprobs equal to float rounding, for greedy and keyed sampling, whatever the budget,
-   the refills, the preemptions, the page size, the attention and the model
+   the refills, the preemptions, the page size, the attention and the model, in fp32 (in bf16 on
+   a GPU a row's logits round with its row bucket's kernels and a preempted row's re-prefill, so
+   a draw at the boundary of two tokens can differ)
    (`test_sampling_equals_generate_simple_...`, `test_pages_of_any_size_sample_what_generate_simple_does`,
    `test_rows_preempted_...`, `test_generate_equals_generate_simple_greedy_...`,
    tests/test_flex.py's `test_flex_generation_...`);
@@ -1403,15 +1405,13 @@ def generate(model, prompts: list, max_new_tokens, stop_ids, pad_id: int,
     """Sample a completion for every prompt (a list of token-id lists), as generate_simple does.
     `max_new_tokens`: one limit, or one per prompt. Row i's token t is drawn with
     seeds.uniforms(seed, keys[i], t), so what a row samples does not depend on the slot or pages
-    it gets or on which rows share the call (exactly in fp32 on a CPU, what the tests check; in
-    bf16 on a GPU its logits round with the kernels its row bucket gets and, when preempted, with
-    its re-prefill, so a draw that falls at the boundary of two tokens can differ). At most `kv_budget` bytes of KV cache (None: every
-    row at once) and `max_rows` rows in flight. `cuda_graphs`: replay decode steps from CUDA
-    graphs on a CUDA device. `stats`, a dict, gets prefill_rows (prompts run through a prefill),
-    decode_steps, attended_columns / own_columns (pages x PAGE each step attends, and its rows'
-    own widths), preempted (rows preempted) and let_go (kept prompts dropped for pages) added, and kv_bytes (cache tensors held) and rows (the most rows in flight at once)
-    raised to this call's. `host`: the Generation's tensors on the host, each copied there once
-    (what rollout.make_llm reads row by row, several device reads a row otherwise)."""
+    it gets or on which rows share the call (exactly in fp32; in bf16 to rounding: invariant 1).
+    At most `kv_budget` bytes of KV cache (None: every row at once) and `max_rows` rows in
+    flight. `cuda_graphs`: replay decode steps from CUDA graphs on a CUDA device. `stats`, a
+    dict, gets prefill_rows (prompts prefilled), decode_steps, attended_columns / own_columns
+    (pages x PAGE each step attends, and its rows' own widths), preempted and let_go (kept
+    prompts dropped for pages) added, and kv_bytes (cache held) and rows (the most in flight)
+    raised to this call's. `host`: the Generation's tensors copied to the host once each."""
     limits = check_limits(prompts, max_new_tokens)
     dev = next(model.parameters()).device
     page, bpt = PAGE[_kind(dev)], kv_bytes_per_token(model.config, model.dtype)

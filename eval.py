@@ -597,11 +597,9 @@ def _print_evaluation(res: dict):
 
 def _evaluate_cli(args):
     """Thin glue: settings (flags, else the checkpoint's run) -> problems -> llm -> evaluate."""
-    import torch
-
     import tasks
     import toy
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.device = flags.device_or_default(args.device)
     try:
         st, notes = resolve_settings(args)
         if args.instruction is not None:

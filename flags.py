@@ -325,13 +325,7 @@ def check_args(ap, args):
                  "(max-prompt-tokens + max-new-tokens)")
     _check_workflow_params(ap, args)
     _check_run(ap, args)
-    _check_device(ap, args.device)
-    _check_precision(ap, args)
-    package = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(args.log_to)
-    if package and importlib.util.find_spec(package) is None:  # before minutes of model loading
-        ap.error(f"--log-to {args.log_to} needs the {package} package: pip install {package}")
-    if args.kv_budget_gb is not None and args.kv_budget_gb <= 0:
-        ap.error("--kv-budget-gb must be > 0")
+    _check_machine(ap, args)
     if any(not 0 <= v <= 1 for v in args.coherence_damp.values()):
         ap.error("--coherence-damp LAMBDA must be in [0, 1]")
     if args.damp_placebo and not args.coherence_damp:
@@ -414,14 +408,31 @@ def hyper(args):
                          if f.name not in ("skip_zero", "packing")})
 
 
+def device_or_default(device: str | None) -> str:
+    """--device, or its default: cuda where this torch has it, else cpu."""
+    import torch
+    return str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _check_machine(ap, args):
+    """What the run asks of this machine: its device, a dtype the update can train in, the KV
+    budget, the tracker's package (before minutes of model loading)."""
+    _check_device(ap, args.device)
+    _check_precision(ap, args)
+    if args.kv_budget_gb is not None and args.kv_budget_gb <= 0:
+        ap.error("--kv-budget-gb must be > 0")
+    package = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(args.log_to)
+    if package and importlib.util.find_spec(package) is None:
+        ap.error(f"--log-to {args.log_to} needs the {package} package: pip install {package}")
+
+
 def _check_precision(ap, args):
     """What the update cannot train: float16 (it has no loss scaling) and full copies whose
     weights and AdamW states are half precision (a LoRA adapter and its states stay fp32)."""
-    import torch
     if args.dtype == "float16":
         ap.error("--dtype float16: the update has no loss scaling, and a token's gradient (about 1e-6 at the paper's "
                  "sizes) underflows float16; use bfloat16 (float32's range) or float32")
-    on_gpu = str(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    on_gpu = device_or_default(args.device).startswith("cuda")
     if args.isolation == "full" and (args.dtype == "bfloat16" or (args.dtype is None and on_gpu)):
         ap.error("--isolation full trains each copy and its AdamW states in the base's dtype, and in bfloat16 (the "
                  "default on a GPU) most steps round away (a weight of 0.02 moves in steps of 1.2e-4, AdamW's at "

@@ -95,7 +95,7 @@ def setup(args, comm=None):
     import policies
     import tasks
     import workflows
-    device = comm.device if comm else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = comm.device if comm else flags.device_or_default(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         train_set, test_set = tasks.train_and_test(args.data, args.eval_data, args.task, args.eval_problems, args.seed)
