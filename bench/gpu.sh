@@ -24,8 +24,8 @@
 #    built on the device): the step's time and parts, the update's peak memory and what was held
 #    as it began (bench/train_step.py: the KV cache is handed back before the update; the weights
 #    and the kept decode graphs stay), and what the decode graphs did (captured, replayed or
-#    eager, and why). A random model never stops, so every
-#    completion runs to $TRAIN_NEW tokens. KL 0, as the paper: a random model is never right, so
+#    eager, and why). A random model never stops, so every completion runs to $TRAIN_NEW
+#    tokens. KL 0, as the paper: a random model is never right, so
 #    bench/train_step.py --keyed-grades grades by a hash of the final text, so rewards vary within
 #    a group and the update works; it prints the update's useful TFLOP/s and share of peak.
 # decode: the decode step in the paper's regime (bench/decode.py --section paper): the 0.6B

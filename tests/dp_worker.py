@@ -42,6 +42,13 @@ def samples_of(rank):
     return out
 
 
+def train_args(out, model) -> list:
+    """A 3-step toy `single` run of train.py, small enough to start under torchrun in seconds."""
+    return ["--scale", model, "--data", "toy_math", "--workflow", "single", "--steps", "3", "--problems-per-step", "2",
+            "--group-size", "2", "--max-new-tokens", "4", "--eval-problems", "2", "--lora-rank", "2", "--device", "cpu",
+            "--quiet", "--out", out]
+
+
 def fail_in_train(out, model):
     """train.py under torchrun, with rank 1 raising in its first update while rank 0 goes on
     into the next collective."""
@@ -54,9 +61,7 @@ def fail_in_train(out, model):
             raise RuntimeError("rank 1 failed on purpose")
         return real(*a, **k)
     grpo.update = update
-    record(train.main)(["--scale", model, "--data", "toy_math", "--workflow", "single", "--steps", "3",
-                        "--problems-per-step", "2", "--group-size", "2", "--max-new-tokens", "4",
-                        "--eval-problems", "2", "--lora-rank", "2", "--device", "cpu", "--quiet", "--out", out])
+    record(train.main)(train_args(out, model))
 
 
 def stop_in_train(out, model):
@@ -79,9 +84,7 @@ def stop_in_train(out, model):
         time.sleep(3)
         return real_save(*a, **k)
     grpo.update, runfolder.save_checkpoint = update, save
-    record(train.main)(["--scale", model, "--data", "toy_math", "--workflow", "single", "--steps", "3",
-                        "--problems-per-step", "2", "--group-size", "2", "--max-new-tokens", "4",
-                        "--eval-problems", "2", "--lora-rank", "2", "--device", "cpu", "--quiet", "--out", out])
+    record(train.main)(train_args(out, model))
 
 
 def update_once(comm, out, case):
