@@ -26,7 +26,10 @@ Choices:
   terminal: the ranks run in sessions of their own), a signal is passed on to the ranks, which
   torchrun kills 30 s later, so a longer step is not saved: stop a job's ranks
   (`pkill -INT -P TORCHRUN_PID`), or count on the periodic saves.
-- Failure: a rank that raises exits non-zero; its peers' next collective fails (gloo: the
+- A fork's refusal (taskkinds.Refused), raised where a rank's own problems are rolled out and
+  graded, is raised on every rank (`together`), and the ranks leave together once rank 0 has
+  removed a fresh run's folder (runfolder.broken).
+- Failure: any other exception: a rank that raises exits non-zero; its peers' next collective fails (gloo: the
   connection closes) or torchrun stops them (SIGTERM, then SIGKILL after its shutdown
   timeout), so the job never hangs. train.main is wrapped in torch's `record`, so torchrun's
   summary names the rank that failed and its traceback.
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 import grpo
+import taskkinds
 
 TIMEOUT = datetime.timedelta(minutes=60)  # the longest one rank may wait for the others (a rollout)
 
@@ -106,6 +110,24 @@ def every_rank_rows(comm: Comm, samples: list) -> list:
             continue
         out += [grpo.Sample(role, slot, pid, [], [0] * n, [], fin, reward, adv, rollout, call, here=False)
                 for role, slot, pid, n, fin, reward, adv, rollout, call in rows]
+    return out
+
+
+def together(comm: Comm | None, fn, *args, **kwargs):
+    """fn(*args, **kwargs), with a fork's refusal (taskkinds.Refused: a reward out of [0, 1], a
+    workflow that breaks its contract) raised on every rank when any rank raises it. A refusal
+    depends on a rank's own problems; raised on one rank only, it would leave the others waiting
+    in the next collective, and a fresh run's folder behind. One all_gather a call."""
+    if comm is None:
+        return fn(*args, **kwargs)
+    try:
+        out, why = fn(*args, **kwargs), None
+    except taskkinds.Refused as e:
+        out, why = None, str(e)
+    refused = [(rank, w) for rank, w in enumerate(comm.gather(why)) if w is not None]
+    if refused:
+        rank, w = refused[0]
+        raise taskkinds.Refused(w if rank == comm.rank else f"rank {rank}: {w}")
     return out
 
 

@@ -393,7 +393,9 @@ def broken(run):
     """A fork's workflow or reward that breaks its contract once the run has started (a branch
     its dry run did not take, a reward out of [0, 1]: taskkinds.Refused) ends the run in one
     line, exit 2; a fresh run with no checkpoint yet leaves nothing, so the same command runs
-    again once the fork is fixed."""
+    again once the fork is fixed. Under torchrun every rank gets the refusal
+    (parallel.together), and no rank leaves before rank 0 has cleaned up: torchrun stops every
+    rank once one exits non-zero."""
     import taskkinds
     try:
         yield
@@ -401,6 +403,8 @@ def broken(run):
         saved = os.path.isdir(os.path.join(run.args.out, "ckpt-last"))
         if run.main and not run.args.resume and not saved:
             remove_fresh(run)
+        if run.comm:
+            run.comm.barrier()
         fail(f"{e}" + (f"; once fixed, --resume {run.args.out} continues from ckpt-last" if saved else ""))
 
 

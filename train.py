@@ -161,15 +161,16 @@ def run_eval(run, step):
     """Evaluate (each rank its share of the problems), log, and keep ckpt-best: the earliest
     step at the best accuracy, step 0 included."""
     import eval as ev
+    import parallel
     problems = run.comm.share(run.test_set) if run.comm else run.test_set
     a = run.args
     # its own stream of draws, ("eval", step), apart from training's, so the batch size moves no
     # draw; EVAL_STEPS training steps' episodes at once: the sampler keeps within its KV budget
     # whatever the batch, and a long answer then runs beside others instead of holding a small
     # batch's last stage to itself
-    rec = ev.eval_record(run.llm, a.workflow, problems, a.task, step,
-                         batch_size=EVAL_STEPS * a.problems_per_step * a.group_size,
-                         progress=not a.quiet, **run.params) if problems else None
+    rec = parallel.together(run.comm, lambda: ev.eval_record(
+        run.llm, a.workflow, problems, a.task, step, batch_size=EVAL_STEPS * a.problems_per_step * a.group_size,
+        progress=not a.quiet, **run.params) if problems else None)
     rec = ev.merge_records(run.comm.gather(rec)) if run.comm else rec
     if run.main:
         runfolder.log_jsonl(run.files["eval"], rec)
@@ -199,6 +200,17 @@ def first_eval(run):
 
 # ----------------------------------------------------------------------------- the loop
 
+def grade(episodes, task: str, credit: str) -> None:
+    """Each episode's reward, its final answer's grade in [0, 1], paid to every call of the
+    episode (--credit own: a solution role's call is paid its own text's grade instead)."""
+    import taskkinds
+    import workflows
+    score = functools.partial(taskkinds.score, task=task)
+    for e, r in zip(episodes, score([e.final_text for e in episodes], [e.problem for e in episodes])):
+        e.reward = float(r)
+    workflows.pay(episodes, credit, score)
+
+
 def every(n, step):
     """True every n steps; n = 0 means never."""
     return bool(n) and step % n == 0
@@ -213,8 +225,6 @@ def main(argv=None):
     import grpo
     import parallel
     import rollout
-    import taskkinds
-    import workflows
 
     comm = parallel.init(args.device)
     if comm:
@@ -230,15 +240,12 @@ def main(argv=None):
             batch = random.Random(seeds.derive(args.seed, "problems", step)).sample(run.train_set, args.problems_per_step)
             batch = comm.share(batch) if comm else batch
             # 2. rollouts: every problem G times through the workflow, with draws keyed by the step
-            episodes = rollout.run_episodes(run.llm, args.workflow, batch, args.group_size, args.task, ("train", step),
-                                            **run.params)
+            #    (a fork's refusal, here or in 3, on any rank stops every rank: parallel.together)
+            episodes = parallel.together(comm, rollout.run_episodes, run.llm, args.workflow, batch, args.group_size,
+                                         args.task, ("train", step), **run.params)
             t1 = time.time()
-            # 3. reward: grade each final answer, pay it to every call of the episode (--credit own:
-            #    a solution role's call is paid its own text's grade instead)
-            grade = functools.partial(taskkinds.score, task=args.task)
-            for e, r in zip(episodes, grade([e.final_text for e in episodes], [e.problem for e in episodes])):
-                e.reward = float(r)
-            workflows.pay(episodes, args.credit, grade)
+            # 3. reward: grade each final answer, pay it to every call of the episode
+            parallel.together(comm, grade, episodes, args.task, args.credit)
             t2 = time.time()
             # 4. advantages grouped by (problem, slot), then one update per role's optimizer
             samples = grpo.samples_from_episodes(episodes, group_by=args.adv_group)

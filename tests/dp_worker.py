@@ -7,6 +7,7 @@ One launch runs every case, since starting the processes costs more than the upd
     torchrun --nproc-per-node 2 tests/dp_worker.py OUT CASE [CASE ...]
     torchrun --nproc-per-node 2 tests/dp_worker.py OUT fail MODEL   # train.py; rank 1 raises
     torchrun --nproc-per-node 2 tests/dp_worker.py OUT stop MODEL   # train.py; both ranks get SIGINT
+    torchrun --nproc-per-node 2 tests/dp_worker.py OUT refuse MODEL  # train.py; rank 1 refuses
 
 The ranks hold unequal numbers of calls per role; one process holds rank 0's samples, then
 rank 1's, which is the global order the ranks shuffle and cut their mini-batches from.
@@ -87,6 +88,23 @@ def stop_in_train(out, model):
     record(train.main)(train_args(out, model))
 
 
+def refuse_in_train(out, model):
+    """train.py under torchrun, rank 1's first training rollout refused (a fork's workflow
+    breaking its contract on rank 1's problems only) while rank 0's goes on."""
+    import rollout
+    import taskkinds
+    import train
+    from torch.distributed.elastic.multiprocessing.errors import record
+    real = rollout.run_episodes
+
+    def run_episodes(llm, workflow, problems, group_size, task, stream, **kw):
+        if os.environ["RANK"] == "1" and stream[0] == "train":
+            raise taskkinds.Refused("refused on purpose")
+        return real(llm, workflow, problems, group_size, task, stream, **kw)
+    rollout.run_episodes = run_episodes
+    record(train.main)(train_args(out, model))
+
+
 def update_once(comm, out, case):
     sharing, plain = case.split("-")[0], case.endswith("-plain")   # plain: the method alone
     torch.manual_seed(0)
@@ -119,8 +137,9 @@ def update_once(comm, out, case):
 
 
 def main(out, cases):
-    if cases[0] in ("fail", "stop"):
-        return (fail_in_train if cases[0] == "fail" else stop_in_train)(out, cases[1])
+    in_train = {"fail": fail_in_train, "stop": stop_in_train, "refuse": refuse_in_train}
+    if cases[0] in in_train:
+        return in_train[cases[0]](out, cases[1])
     comm = parallel.init("cpu")
     for case in cases:
         update_once(comm, out, case)

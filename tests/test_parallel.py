@@ -4,7 +4,8 @@
   two updates, and the same per-role and per-slot diagnostics, as 1 process holding them all;
 - a 2-rank toy run of train.py writes one well-formed run folder, and --resume continues it;
 - a rank that raises ends the job non-zero within a bounded time, naming the rank and why;
-- a stop sent to the ranks saves the step before any rank leaves.
+- a stop sent to the ranks saves the step before any rank leaves;
+- a refusal on one rank ends every rank, and a fresh run leaves no folder.
 """
 import json
 import os
@@ -195,6 +196,19 @@ def test_a_stop_sent_to_the_ranks_saves_the_step_before_any_rank_leaves(tmp_path
     r = torchrun(WORKER, str(tmp_path / "run"), "stop", model, timeout=150)
     assert r.returncode != 0 and "interrupted: saved" in r.stdout and "aborted" not in r.stderr, r.stderr[-2000:]
     assert torch.load(tmp_path / "run" / "ckpt-last" / "state.pt", weights_only=False)["step"] == 1
+
+
+def test_a_refusal_on_one_rank_ends_every_rank_and_leaves_no_fresh_run_folder(tmp_path):
+    # rank 1 alone refuses at step 1; without parallel.together rank 0 waited in the next
+    # collective, and the folder its step-0 evaluation wrote stayed, so the same command was
+    # then refused ("run folder exists")
+    model = save_tiny_toy_model(tmp_path / "model")
+    t0 = time.time()
+    r = torchrun(WORKER, str(tmp_path / "run"), "refuse", model, timeout=150)
+    assert r.returncode != 0 and time.time() - t0 < 150
+    assert r.stderr.count("error: refused on purpose") == 1 and "error: rank 1: refused on purpose" in r.stderr, \
+        r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
 
 
 def test_each_rank_takes_its_own_gpu_or_the_one_it_is_shown():
