@@ -54,6 +54,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if packed_rows is None or attention_mask is not None:
         raise ValueError("packed_attention runs only inside packed.logprobs (its rows and no mask)")
     gqa = query.shape[1] != key.shape[1]
+    if gqa and not gqa_kernel(query):   # K/V's heads repeated: Hq/Hkv x their bytes, linear in N
+        key, value = (x.repeat_interleave(query.shape[1] // x.shape[1], 1) for x in (key, value))
+        gqa = False
 
     def rows(x, a, k, L):   # (1, H, kL, D) -> (k, H, L, D), a view
         return x[0, :, a:a + k * L].unflatten(1, (k, L)).transpose(0, 1)
@@ -61,6 +64,15 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
                                             scale=scaling, enable_gqa=gqa).transpose(0, 1).flatten(1, 2)
              for r in packed_rows]                                     # each (Hq, kL, D)
     return torch.cat(parts, 1).transpose(0, 1)[None], None
+
+
+def gqa_kernel(query) -> bool:
+    """Whether SDPA runs this query's grouped K/V heads (enable_gqa) in a kernel that skips the
+    (L, L) scores: flash, on a CPU in any dtype and on CUDA in bf16/fp16. CUDA's memory-efficient
+    kernel (its fp32 path) takes no grouped heads, so there SDPA would fall to its math kernel and
+    keep fp32 (Hq, L, L) scores per row for the backward, which the memory plan does not count
+    (policies.activation_bytes); packed_attention repeats K/V's heads instead."""
+    return not (query.is_cuda and query.dtype == torch.float32)
 
 
 def row_runs(lengths: list) -> tuple:

@@ -324,6 +324,26 @@ def test_packed_forward_equals_the_padded_one(monkeypatch, isolation):
         assert head.grad is not None and float(head.grad.norm()) > 0
 
 
+def test_packed_attention_repeats_grouped_heads_where_sdpa_has_no_gqa_kernel(monkeypatch):
+    """fp32 on CUDA: SDPA's efficient kernel takes no grouped K/V heads, so packed_attention
+    repeats them (the math kernel would keep (Hq, L, L) scores); the same output and gradients
+    as SDPA's own grouping, checked on a CPU by forcing that path."""
+    import packed
+    assert packed.gqa_kernel(torch.zeros(1)) and packed.gqa_kernel(torch.zeros(1, dtype=torch.bfloat16))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 11, 8, generator=g, requires_grad=True) for h in (6, 2, 2))
+    runs = packed.row_runs([3, 3, 5])
+    out = []
+    for grouped in (True, False):
+        monkeypatch.setattr(packed, "gqa_kernel", lambda query, _g=grouped: _g)
+        o = packed.packed_attention(None, q, k, v, None, scaling=0.3, packed_rows=runs)[0]
+        grads = torch.autograd.grad((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum(), (q, k, v))
+        out.append((o.detach(), grads))
+    (o0, g0), (o1, g1) = out
+    assert o0.shape == (1, 11, 6, 8) and torch.allclose(o0, o1, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g0, g1))
+
+
 def test_packed_micro_batches_count_their_own_tokens():
     S = [grpo.Sample("g", "g", "p", [3] * p, [4] * t, [], True, 0.0, 0.0)
          for p, t in [(5, 3), (2, 9), (7, 7), (1, 1), (4, 4), (30, 10)]]
