@@ -140,6 +140,17 @@ def test_resume_of_a_run_saved_before_a_flag_existed_takes_its_default(model_dir
     assert flags.workflow_params(args) == {} and args.steps == 2
 
 
+def test_a_run_saves_the_dtype_it_resolved_so_a_resume_elsewhere_keeps_it(model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    train.main(["--scale", model_dir, "--data", "toy_math", "--workflow", "single", "--steps", "1",
+                "--problems-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-problems", "2",
+                "--lora-rank", "2", "--device", "cpu", "--quiet", "--out", str(out)])
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"   # no --dtype: a CPU's default
+    monkeypatch.setattr(flags, "_check_device", lambda ap, device: None)   # as if this machine had CUDA
+    args = flags.parse_args(["--resume", str(out), "--device", "cuda"])
+    assert (args.device, args.dtype) == ("cuda", "float32")   # not re-resolved to CUDA's bfloat16
+
+
 def test_quiet_shows_no_progress_bar_of_any_library(model_dir, tmp_path, capfd):
     train.main(["--scale", model_dir, "--data", "toy_math", "--workflow", "single", "--steps", "1",
                 "--problems-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-problems", "2",
