@@ -28,7 +28,10 @@ Each choice and the train.py flag that sets it (the flags fill a `Hyper`, fields
   adapter's first mini-batch (a no-grad forward through `policy.inference`, which on an fp32
   base folds the adapter into the base weights, equal to the hooked forward within fp32
   rounding); the first mini-batch runs at those same weights, so `micro_loss` takes its rows'
-  own logprobs, detached, as theirs and returns them.
+  own logprobs, detached, as theirs and returns them. On CUDA "within fp32 rounding" is within
+  TF32's (policies.cuda_settings), and in bf16 the recompute batches rows otherwise than the
+  training forward, so a later mini-batch's ratio at unchanged weights is 1 only to bf16
+  rounding (about 1e-2 in a token's logp), where the first one's is exactly 1.
 - w_it, the sampler's drift corrected (`--tis C`, default 0: off): the tokens were drawn by the
   sampler, whose logprobs differ from the trainer's for the same weights (another kernel, in
   bf16 another rounding, compounding over long completions), so the loss's expectation is over
