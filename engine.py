@@ -50,7 +50,8 @@ attends every row over the widest one. `generate` keeps what it samples and chan
   eagerly (the same mask over the whole pool) for the tests.
 - no host sync in a decode step: the device keeps its own counters and advances them after
   each sample; the host keeps a copy that decides the schedule (which pages each step attends,
-  where each row writes: built on the host, copied in one non-blocking transfer), and learns
+  where each row writes: built on the host, copied in one transfer from pinned host memory,
+  _Upload, which a pageable copy's staging could make wait for the device), and learns
   which rows hit a stop id from a copy made without blocking and read once every STOP_EVERY
   steps (a row that stopped runs on, its tokens discarded, for up to 2 x STOP_EVERY steps). On a
   CPU the device is the host, so a read waits for nothing: there it reads every step.
@@ -624,6 +625,7 @@ class _Writes:
         # the larger of "pages"' 3 numbers a page (capacity pages) and "flex"'s P + 1 a row (N < 4 x rows,
         # P at least 2: capacity counts every row at 2 pages or more)
         self.meta = torch.zeros(2 * rows + 4 * (rows + capacity), dtype=torch.long, device=device)
+        self.send = _Upload(self.meta, torch.device(device).type == "cuda")   # the step's numbers into meta
         self.head = torch.arange(heads, device=device)
         self.columns = torch.arange(page, device=device)
         self.is_prefill, self.mode = False, "pages"   # mode: how decode steps attend (_attend_mode)
@@ -713,8 +715,36 @@ def cache_bytes(cache) -> int:
 
 
 def _to(array, device):
-    """A host array on the device, copied without waiting for the device."""
+    """A host array on the device (a refill's, not every step's: from pageable memory the copy may
+    wait for the device, see _Upload)."""
     return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+
+
+class _Upload:
+    """The copy into `dst` that every decode step makes (its numbers, writes.meta), made without
+    the host waiting for the device. From pageable memory a "non_blocking" copy is staged by the
+    driver, which may wait for the device's queue to drain, so the host would plan each step only
+    once the last one had run. With `buffered` (CUDA), the array goes into one of two pinned host
+    buffers in turn and is copied from there, an event recorded after the copy; a buffer is
+    rewritten only after its last copy's event (two steps back: long done). Else one plain copy."""
+
+    def __init__(self, dst, buffered: bool, pin: bool | None = None):
+        pin = buffered if pin is None else pin   # a CPU test runs the buffered path unpinned
+        self.dst, self.turn, self.copied = dst, 0, [None, None]
+        self.bufs = [torch.empty(dst.shape, dtype=dst.dtype, pin_memory=pin) for _ in range(2)] if buffered else None
+
+    def __call__(self, array) -> None:
+        n = len(array)
+        if self.bufs is None:
+            self.dst[:n].copy_(torch.from_numpy(np.ascontiguousarray(array)))
+            return
+        k, self.turn = self.turn, 1 - self.turn
+        if self.copied[k] is not None:
+            self.copied[k].synchronize()
+        self.bufs[k].numpy()[:n] = array
+        self.dst[:n].copy_(self.bufs[k][:n], non_blocking=True)
+        self.copied[k] = cudagraphs.cuda.Event()
+        self.copied[k].record()
 
 
 class _Pages:
@@ -1327,7 +1357,7 @@ class _Decoder:
         offset = np.where(h.busy[:n] == 1, h.pos[:n] % page, 0)
         attended, C = self._flex_tables(width, count) if self.mode == "flex" else self._pages(width, count)
         meta = np.concatenate([write, offset, *attended])
-        self.writes.meta[:len(meta)].copy_(_to(meta, self.writes.meta.device), non_blocking=True)
+        self.writes.send(meta)
         self.own += int(width.sum())
         self.attended += self._row_tables(width, count) if self.mode == "rows" else int(count.sum()) * page
         return C

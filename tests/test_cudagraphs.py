@@ -142,6 +142,12 @@ class FakeCuda:
     def synchronize(self, device=None):
         self.calls.append(("synchronize", torch.device(device), self.current))
 
+    def Event(self):  # noqa: N802
+        fake, name = self, len([c for c in self.calls if c[0] == "Event"])
+        self.calls.append(("Event", name, self.current))
+        return types.SimpleNamespace(record=lambda: fake.calls.append(("record", name, fake.current)),
+                                     synchronize=lambda: fake.calls.append(("wait", name, fake.current)))
+
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
@@ -246,6 +252,31 @@ def test_replayed_graphs_sample_what_generate_simple_does(fake_cuda, monkeypatch
     slots = next(iter(engine._KEPT.values()))
     assert cudagraphs.GRAPHS["captures"] == len(slots.graphs.graphs) <= 5           # once a row bucket: 1 .. 16
     assert cudagraphs.GRAPHS["replays"] > 10 * cudagraphs.GRAPHS["captures"]
+
+
+def test_a_steps_numbers_go_up_through_two_host_buffers_each_rewritten_after_its_last_copy(fake_cuda, monkeypatch):
+    # from pageable memory a non_blocking copy may wait for the device's queue; from a pinned
+    # buffer it does not, but the buffer must not change before its copy has run
+    fake = fake_cuda()
+    dst = torch.zeros(6, dtype=torch.long)
+    up = engine._Upload(dst, buffered=True, pin=False)   # the CUDA path, unpinned on a CPU
+    for k in range(4):
+        up(np.arange(k, k + 3 + k % 2))
+        assert dst[:3 + k % 2].tolist() == list(range(k, k + 3 + k % 2))
+        assert up.bufs[k % 2][:3 + k % 2].tolist() == list(range(k, k + 3 + k % 2))
+    log = [(c[0], c[1]) for c in fake.calls if c[0] in ("record", "wait")]
+    assert log == [("record", 0), ("record", 1), ("wait", 0), ("record", 2), ("wait", 1), ("record", 3)]
+    # a whole generation through it samples what generate_simple does, one upload a decode step
+    real = engine._Upload
+    monkeypatch.setattr(engine, "_Upload", lambda d, buffered: real(d, True, pin=False))
+    m = tiny_qwen3(seed=0)
+    keys = [seeds.key("mixed", i) for i in range(len(MIXED))]
+    simple = rollout.generate_simple(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, seed=3, keys=keys)
+    stats, before = {}, len(fake.calls)
+    fast = engine.generate(m, MIXED, MIXED_LIMITS, STOP, PAD, temperature=0.7, seed=3, keys=keys, stats=stats,
+                           kv_budget=budget_for(m, 2, MIXED, MIXED_LIMITS))
+    assert_same_generation(fast, simple)
+    assert sum(c[0] == "record" for c in fake.calls[before:]) == stats["decode_steps"]
 
 
 def test_the_holes_of_every_row_bucket_keep_views_of_one_set_of_buffers(fake_cuda, monkeypatch):
