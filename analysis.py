@@ -299,7 +299,8 @@ def eval_rates(rec: dict) -> dict:
       oracle, some candidate right ("oracle");
     - the evaluator's verdicts against the grade of the attempt each judged: "verdict accuracy",
       "false accept" (Correct on a wrong attempt, of the wrong ones), "false reject" (Incorrect
-      on a right one, of the right ones), over the calls that gave a verdict."""
+      on a right one, of the right ones), over the calls that gave a verdict; "verdicts", the
+      share of its calls that gave one (a missing verdict counts as Incorrect in the workflow)."""
     calls, a, e = rec.get("calls") or {}, (rec.get("skill") or {}).get("aggregator"), (rec.get("skill") or {}).get("evaluator")
     cut = rec.get("cut")
     out = {"cut": {r: _ratio((cut or {}).get(r, 0), c) for r, c in calls.items()} if isinstance(cut, dict) else None,
@@ -313,12 +314,13 @@ def eval_rates(rec: dict) -> dict:
     tp, fp, fn, tn = (e.get(k) for k in ("tp", "fp", "fn", "tn"))
     out.update({"verdict accuracy": _ratio((tp or 0) + (tn or 0), sum(x or 0 for x in (tp, fp, fn, tn))) if e else None,
                 "false accept": _ratio(fp, (fp or 0) + (tn or 0)) if e else None,
-                "false reject": _ratio(fn, (fn or 0) + (tp or 0)) if e else None})
+                "false reject": _ratio(fn, (fn or 0) + (tp or 0)) if e else None,
+                "verdicts": _ratio(sum(x or 0 for x in (tp, fp, fn, tn)), e.get("calls")) if e else None})
     return out
 
 
 SKILL = {"aggregator": ("picked", "random", "majority", "oracle"),
-         "evaluator": ("verdict accuracy", "false accept", "false reject")}
+         "evaluator": ("verdicts", "verdict accuracy", "false accept", "false reject")}
 
 
 def skill_series(evals: list) -> dict:

@@ -725,16 +725,16 @@ def _skill_at(run: dict, where: int) -> dict:
 
 
 # each supervisor's skill, by the measure a run that logged it has (analysis.eval_rates)
-SKILL_OF = {"aggregator": "picked", "evaluator": "verdict accuracy"}
+SKILL_OF = {"aggregator": "picked", "evaluator": "verdicts"}
 
 
 def skill_lines(study: str, groups: dict) -> list:
     """The supervisors' skill per arm with an aggregator or an evaluator, at the untrained
     workflow (step 0) and at the end (the last evaluation): the aggregator's right picks against
     a uniformly random pick among the same voters (chance) and against the majority vote, with
-    the oracle; the evaluator's verdict accuracy, its false accepts and rejects, and Youden's
-    J = 1 - false accept - false reject (0: verdicts independent of the attempt's grade, as by
-    chance). Differences over the arm's runs with their interval; kept runs whose evaluations
+    the oracle; the share of the evaluator's calls that gave a verdict, and over those its
+    verdict accuracy, false accepts and rejects, and Youden's J = 1 - false accept - false
+    reject (0: verdicts independent of the attempt's grade, as by chance). Differences over the arm's runs with their interval; kept runs whose evaluations
     did not log it are "not logged"."""
     st, out = STUDIES[study], []
     for name in [a for a in st.order if a in groups] + sorted(set(groups) - set(st.order)):
@@ -765,8 +765,11 @@ def _skill_text(who: str, per_run: list) -> str:
         diffs = [("picked minus random", "chance", [x["picked"] - x["random"] for x in per_run]),
                  ("picked minus majority", "the majority vote", [x["picked"] - x["majority"] for x in per_run])]
     else:
-        head = (f"verdict accuracy {mean('verdict accuracy')}%, false accepts {mean('false accept')}%, "
-                f"false rejects {mean('false reject')}%")
+        head = (f"a verdict in {mean('verdicts')}% of its calls; of those, verdict accuracy {mean('verdict accuracy')}%, "
+                f"false accepts {mean('false accept')}%, false rejects {mean('false reject')}%")
+        if not any(x.get("verdicts") for x in per_run):
+            head += (" (no verdict in any run: a missing one counts as Incorrect, so every attempt was revised "
+                     "whatever its grade, J = 0 by construction)")
         diffs = [("J", "chance", [100 - x["false accept"] - x["false reject"] for x in per_run
                                   if x.get("false accept") is not None and x.get("false reject") is not None])]
     parts = []

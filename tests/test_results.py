@@ -463,10 +463,25 @@ def test_study_q_reads_the_supervisors_skill_against_chance_the_end_and_the_base
 
 def test_the_evaluators_skill_is_youdens_j_against_chance():
     """J = 1 - false accepts - false rejects: 0 for verdicts that ignore the attempt's grade."""
-    at_chance = {"verdict accuracy": 50.0, "false accept": 50.0, "false reject": 50.0}
-    sharp = {"verdict accuracy": 90.0, "false accept": 10.0, "false reject": 10.0}
+    at_chance = {"verdicts": 100.0, "verdict accuracy": 50.0, "false accept": 50.0, "false reject": 50.0}
+    sharp = {"verdicts": 40.0, "verdict accuracy": 90.0, "false accept": 10.0, "false reject": 10.0}
     text = studies._skill_text("evaluator", [at_chance, sharp, sharp])
-    assert text.startswith("verdict accuracy 76.7%, false accepts 23.3%, false rejects 23.3%; J +53.3 ± 26.7")
+    assert text.startswith("a verdict in 60.0% of its calls; of those, verdict accuracy 76.7%, false accepts 23.3%, "
+                           "false rejects 23.3%; J +53.3 ± 26.7")
+
+
+def test_an_evaluator_that_never_gave_a_verdict_is_logged_and_said_so():
+    # SmolLM2's evaluator writes a critique but no verdict: its skill is logged (0 verdicts of its
+    # calls), not "not logged", and J is 0 by construction (every attempt revised)
+    mute = {"verdicts": 0.0, "verdict accuracy": None, "false accept": None, "false reject": None}
+    text = studies._skill_text("evaluator", [mute, mute])
+    assert text.startswith("a verdict in 0.0% of its calls; of those, verdict accuracy -%") and "J = 0 by construction" in text
+    run = {"config": {"workflow": "eval_opt"}, "evals": [
+        {"step": s, "acc": 0.2, "n": 10, "calls": {"generator": 20, "evaluator": 10},
+         "skill": {"evaluator": {"calls": 10, "tp": 0, "fp": 0, "fn": 0, "tn": 0}}} for s in (0, 6)]}
+    lines = studies.skill_lines("q", {"eval_opt, isolated": [(run, None)]})
+    assert [line.split(":")[0] for line in lines] == ["- the evaluator's skill, eval_opt, isolated, step 0",
+                                                     "- the evaluator's skill, eval_opt, isolated, end"]
 
 
 def test_a_skill_difference_whose_interval_holds_0_is_not_told_apart_from_chance():
