@@ -288,9 +288,9 @@ def memory_plan(policy, kv_budget: int, args) -> str:
         head = f"head in chunks of {gib(packed.CHUNK_ELEMS * 4)}"
     else:                      # the plain update's: the logits and their gradient
         head = f"logits + grad {gib(a.token_budget * cfg.vocab_size * 2 * size)}"
-    acts = (a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size if p.checkpointing
-            else policies.activation_bytes(cfg, a.token_budget, size))
     device = next(p.model.parameters()).device
+    acts = (a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size if p.checkpointing
+            else policies.activation_bytes(cfg, a.token_budget, size, repeated_kv=device.type == "cuda" and size == 4))
     page = PAGE[_kind(device)]
     rows = rows_that_fit(kv_budget, per_tok, prompt + a.max_new_tokens, page)
     why = ""
@@ -715,8 +715,9 @@ def cache_bytes(cache) -> int:
 
 
 def _to(array, device):
-    """A host array on the device (a refill's, not every step's: from pageable memory the copy may
-    wait for the device, see _Upload)."""
+    """A host array on the device. From pageable memory the copy may wait for the device (see
+    _Upload): used for refills and for "rows"' per-step tables (a fallback), not "pages"' or
+    "flex"' per-step numbers."""
     return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
 
 

@@ -113,11 +113,12 @@ def every_rank_rows(comm: Comm, samples: list) -> list:
     return out
 
 
-def together(comm: Comm | None, fn, *args, **kwargs):
+def together(comm: Comm | None, fn, /, *args, **kwargs):
     """fn(*args, **kwargs), with a fork's refusal (taskkinds.Refused: a reward out of [0, 1], a
     workflow that breaks its contract) raised on every rank when any rank raises it. A refusal
     depends on a rank's own problems; raised on one rank only, it would leave the others waiting
-    in the next collective, and a fresh run's folder behind. One all_gather a call."""
+    in the next collective, and a fresh run's folder behind. One all_gather a call; the refusal
+    raised is marked `every_rank`, so runfolder.broken may wait for the others before leaving."""
     if comm is None:
         return fn(*args, **kwargs)
     try:
@@ -127,7 +128,9 @@ def together(comm: Comm | None, fn, *args, **kwargs):
     refused = [(rank, w) for rank, w in enumerate(comm.gather(why)) if w is not None]
     if refused:
         rank, w = refused[0]
-        raise taskkinds.Refused(w if rank == comm.rank else f"rank {rank}: {w}")
+        e = taskkinds.Refused(w if rank == comm.rank else f"rank {rank}: {w}")
+        e.every_rank = True
+        raise e
     return out
 
 

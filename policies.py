@@ -170,18 +170,21 @@ def checkpoint_layers(model) -> None:
 ACTIVATION_SHARE = 0.5   # share of the free memory a micro-batch's activations may take unchecked
 
 
-def activation_bytes(config, tokens: int, itemsize: int) -> int:
+def activation_bytes(config, tokens: int, itemsize: int, repeated_kv: bool = False) -> int:
     """Bytes a training micro-batch of `tokens` keeps for its backward without checkpointing, by
     count: per layer and token the tensors its ops save, about 6 h + 4 Hq D + 4 Hkv D + 4 I
     elements (the norms' and projections' inputs, q/k/v after norm and RoPE, the attention's
     output and log-sum-exp, the MLP's gate, up, activation and product), with no attention
     square (the packed forward's kernels keep none); in half precision also the fp32 inputs the
-    RMSNorms keep (they compute in fp32): 2 h + Hq D + Hkv D more elements of 4 bytes."""
+    RMSNorms keep (they compute in fp32): 2 h + Hq D + Hkv D more elements of 4 bytes.
+    `repeated_kv` (fp32 on CUDA, packed.gqa_kernel): the attention keeps K and V with their heads
+    repeated, 2 (Hq - Hkv) D more elements."""
     c = config
     h, I = c.hidden_size, c.intermediate_size
     hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    per = (6 * h + 4 * q + 4 * kv + 4 * I) * itemsize + (4 * (2 * h + q + kv) if itemsize < 4 else 0)
+    per = (6 * h + 4 * q + 4 * kv + 4 * I + (2 * (q - kv) if repeated_kv else 0)) * itemsize \
+        + (4 * (2 * h + q + kv) if itemsize < 4 else 0)
     return tokens * c.num_hidden_layers * per
 
 
@@ -190,7 +193,8 @@ def checkpointing_plan(model, token_budget: int):
     micro-batch's activations (`activation_bytes`) fit in ACTIVATION_SHARE of the memory free
     after loading (the device's, or the host's on a CPU), on otherwise."""
     p = next(model.parameters())
-    need = activation_bytes(model.config, token_budget, p.element_size())
+    need = activation_bytes(model.config, token_budget, p.element_size(),
+                            repeated_kv=p.device.type == "cuda" and p.dtype == torch.float32)
     if p.device.type == "cuda":
         free = torch.cuda.mem_get_info(p.device)[0]
     else:

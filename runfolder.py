@@ -403,7 +403,7 @@ def broken(run):
         saved = os.path.isdir(os.path.join(run.args.out, "ckpt-last"))
         if run.main and not run.args.resume and not saved:
             remove_fresh(run)
-        if run.comm:
+        if run.comm and getattr(e, "every_rank", False):   # raised alone, the others wait elsewhere
             run.comm.barrier()
         fail(f"{e}" + (f"; once fixed, --resume {run.args.out} continues from ckpt-last" if saved else ""))
 

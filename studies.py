@@ -767,7 +767,7 @@ def _skill_text(who: str, per_run: list) -> str:
     else:
         head = (f"a verdict in {mean('verdicts')}% of its calls; of those, verdict accuracy {mean('verdict accuracy')}%, "
                 f"false accepts {mean('false accept')}%, false rejects {mean('false reject')}%")
-        if not any(x.get("verdicts") for x in per_run):
+        if per_run and all(x.get("verdicts") == 0 for x in per_run):
             head += (" (no verdict in any run: a missing one counts as Incorrect, so every attempt was revised "
                      "whatever its grade, J = 0 by construction)")
         diffs = [("J", "chance", [100 - x["false accept"] - x["false reject"] for x in per_run

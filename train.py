@@ -103,8 +103,8 @@ def setup(args, comm=None):
                                    toy_check=args.toy_check or 0, toy_seed=args.toy_seed or 0)
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         runfolder.fail(str(e))
-    if args.dtype is None:   # saved resolved, so a resume on another device keeps the run's dtype
-        args.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if args.dtype is None and not args.resume:   # saved resolved: a resume on another device keeps it
+        args.dtype = str(model.dtype).removeprefix("torch.")
     if args.problems_per_step > len(train_set):
         runfolder.fail(f"--problems-per-step {args.problems_per_step} is more than the {len(train_set)} training problems")
     checkpointing, plan = args.grad_checkpointing == "on", f"gradient checkpointing {args.grad_checkpointing}"

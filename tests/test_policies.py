@@ -218,6 +218,7 @@ def test_activation_count_matches_what_the_packed_forward_saves(monkeypatch, dty
     actually keeps for a training forward (LoRA on, packed rows; weights not counted); and the
     plan it decides."""
     import grpo
+    import packed
     from transformers import Qwen3Config, Qwen3ForCausalLM
     cfg = Qwen3Config(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=32, vocab_size=300, tie_word_embeddings=True)
@@ -229,9 +230,17 @@ def test_activation_count_matches_what_the_packed_forward_saves(monkeypatch, dty
     with pol.using("shared") as m, torch.autograd.graph.saved_tensors_hooks(
             lambda t: kept.setdefault(t.data_ptr(), t.untyped_storage().nbytes()) and t, lambda t: t):
         grpo.row_logprobs(m, prompts, comps, 0.7)
-    count = policies.activation_bytes(cfg, sum(len(p) + len(c) - 1 for p, c in zip(prompts, comps)),
-                                      torch.tensor([], dtype=dtype).element_size())
-    assert 0.75 < count / sum(v for k, v in kept.items() if k not in weights) < 1.25
+    tokens, size = sum(len(p) + len(c) - 1 for p, c in zip(prompts, comps)), torch.tensor([], dtype=dtype).element_size()
+    count, held = policies.activation_bytes(cfg, tokens, size), sum(v for k, v in kept.items() if k not in weights)
+    assert 0.75 < count / held < 1.25
+    if dtype == torch.float32:   # K/V with repeated heads (fp32 on CUDA) keep exactly what the count adds
+        monkeypatch.setattr(packed, "gqa_kernel", lambda query: False)
+        kept.clear()
+        with pol.using("shared") as m, torch.autograd.graph.saved_tensors_hooks(
+                lambda t: kept.setdefault(t.data_ptr(), t.untyped_storage().nbytes()) and t, lambda t: t):
+            grpo.row_logprobs(m, prompts, comps, 0.7)
+        more = sum(v for k, v in kept.items() if k not in weights) - held
+        assert more == policies.activation_bytes(cfg, tokens, size, repeated_kv=True) - count > 0
     on, line = policies.checkpointing_plan(model, 16384)
     assert not on and "gradient checkpointing off (auto)" in line
     monkeypatch.setattr(policies, "ACTIVATION_SHARE", 1e-9)

@@ -476,6 +476,8 @@ def test_an_evaluator_that_never_gave_a_verdict_is_logged_and_said_so():
     mute = {"verdicts": 0.0, "verdict accuracy": None, "false accept": None, "false reject": None}
     text = studies._skill_text("evaluator", [mute, mute])
     assert text.startswith("a verdict in 0.0% of its calls; of those, verdict accuracy -%") and "J = 0 by construction" in text
+    unlogged = {**mute, "verdicts": None}   # an evaluation that did not log the share: no claim on it
+    assert "by construction" not in studies._skill_text("evaluator", [unlogged, mute])
     run = {"config": {"workflow": "eval_opt"}, "evals": [
         {"step": s, "acc": 0.2, "n": 10, "calls": {"generator": 20, "evaluator": 10},
          "skill": {"evaluator": {"calls": 10, "tp": 0, "fp": 0, "fn": 0, "tn": 0}}} for s in (0, 6)]}
