@@ -4,7 +4,7 @@
     python bench/generate.py --workload realistic --prompts 512 --slots 64
     python bench/generate.py --workload equal --prompt-min 16 --prompt-len 48 --equal-new 64  # 32 rows, 16-48
     python bench/generate.py --device cuda --config 0.6b --prompts 512 --slots 256 --new 512
-    python bench/generate.py --check --device cuda                 # greedy parity, graphs = eager, tiny model
+    python bench/generate.py --check --device cuda   # greedy parity, graphs = eager (tiny model), upload wait
     python bench/generate.py --device cuda --config 0.6b --workload voting --samplers continuous --repeats 1
     python bench/generate.py --device cuda --config 0.6b --workload voting --attend pages,flex
 
@@ -42,6 +42,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 from torch._dynamo.utils import counters
 
@@ -279,6 +280,43 @@ def graphs_equal_eager(model, prompts, limits, stop, budget) -> bool:
     return same and gap <= 1e-4
 
 
+def upload_wait(device: str, rows: int = 512, pages: int = 24) -> None:
+    """How long the host waits to hand a decode step its numbers (writes.meta: about rows x (2 +
+    3 x pages) int64s) while the device is busy with earlier work: from pageable memory, as the
+    engine once did, the driver stages the copy and may wait for the queue; from engine._Upload's
+    pinned buffers it should not. The values that arrive are checked. CUDA only."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        print("upload of a step's numbers: not measured (CUDA only)", flush=True)
+        return
+    n = rows * (2 + 3 * pages)
+    dst, x = torch.empty(n, dtype=torch.long, device=dev), torch.randn(4096, 4096, device=dev)
+    up = engine._Upload(dst, True)
+    sends = {"pageable": lambda a: dst.copy_(torch.from_numpy(a).to(dev, non_blocking=True)), "pinned": up}
+    waits, queued, ok = {}, 0.0, True
+    for name, send in sends.items():
+        host = []
+        for k in range(6):
+            a = np.arange(k, k + n, dtype=np.int64)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            y = x
+            for _ in range(8):                          # tens of ms of work queued ahead of the copy
+                y = (y @ x).clamp_(-1, 1)
+            end.record()
+            t = time.perf_counter()
+            send(a)
+            host.append(time.perf_counter() - t)
+            torch.cuda.synchronize()
+            queued, ok = start.elapsed_time(end), ok and bool((dst.cpu().numpy() == a).all())
+        waits[name] = min(host[1:]) * 1e3               # the first call warms up
+    print(f"upload of a step's numbers ({n * 8 // 1024} KiB) behind {queued:.0f} ms of queued work: the host waits "
+          f"{waits['pageable']:.2f} ms from pageable memory, {waits['pinned']:.2f} ms through _Upload"
+          + ("" if ok else "; VALUES WRONG"), flush=True)
+    if not ok:
+        sys.exit(1)
+
+
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     pass
 
@@ -310,13 +348,14 @@ def main():
                     help="time measured: process CPU time or wall time (default: cpu on a CPU device, else wall)")
     ap.add_argument("--check", action="store_true",
                     help="only check greedy parity with model.generate and sampled rows with CUDA graphs against eager "
-                         "steps on --device (tiny fp32 model), then exit")
+                         "steps on --device (tiny fp32 model), and time a step's upload behind queued work, then exit")
     ap.add_argument("--samplers", default="lockstep,continuous,model.generate",
                     help="comma-separated subset of lockstep, continuous, model.generate, in the order run")
     args = ap.parse_args()
     args.clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     if args.check:
-        return check_parity(args.device)
+        check_parity(args.device)
+        return upload_wait(args.device)
 
     torch.set_grad_enabled(False)
     model = build_model(args.config, args.device)

@@ -32,7 +32,8 @@
 #    shape with LoRA r64, 120 rows, W = 512 / 2,560 / 5,120: ms per step (CUDA graphs on), and
 #    the kernel-launching ops and host syncs per step.
 # sampler: greedy parity with model.generate, sampled rows replayed from CUDA graphs against the
-#    same call stepped eagerly (equal tokens), then tokens/s of engine.generate against
+#    same call stepped eagerly (equal tokens), how long the host waits to upload a decode step's
+#    numbers behind queued work (pageable memory against engine._Upload's pinned buffers), then tokens/s of engine.generate against
 #    model.generate on a realistic workload of 256 prompts (half of 512, to leave the voting part
 #    its time; bench/generate.py; rows stop at lognormal lengths,
 #    so the row groups change as in a real call: graph captures per call are counted).
@@ -136,6 +137,7 @@ part "sampler: parity with model.generate and of graphs with eager steps, then t
 limit 30 $PY -u bench/generate.py --check --device "$DEVICE" | tee "$work/parity"
 row "greedy parity with model.generate" "$(grep '^parity on' "$work/parity")"
 row "sampled rows, graphs against eager" "$(grep '^graphs against' "$work/parity")"
+row "a step's upload behind queued work" "$(grep '^upload of' "$work/parity" | cut -d: -f2-)"
 limit 70 $PY -u bench/generate.py --device "$DEVICE" --config "$SCALE" --workload realistic --slots "$SLOTS" \
     --prompts "$PROMPTS" --new "$NEW" --samplers continuous,model.generate --repeats 1 | tee "$work/sampler"
 row "sampler tok/s: continuous vs model.generate" "$(grep -E '^  (continuous|model.generate) ' "$work/sampler" | \
