@@ -29,9 +29,9 @@ Choices:
 - A fork's refusal (taskkinds.Refused), raised where a rank's own problems are rolled out and
   graded, is raised on every rank (`together`), and the ranks leave together once rank 0 has
   removed a fresh run's folder (runfolder.broken).
-- Failure: any other exception: a rank that raises exits non-zero; its peers' next collective fails (gloo: the
-  connection closes) or torchrun stops them (SIGTERM, then SIGKILL after its shutdown
-  timeout), so the job never hangs. train.main is wrapped in torch's `record`, so torchrun's
+- Failure (any other exception): a rank that raises exits non-zero; its peers' next collective
+  fails (gloo: the connection closes) or torchrun stops them (SIGTERM, then SIGKILL after its
+  shutdown timeout), so the job never hangs. train.main is wrapped in torch's `record`, so torchrun's
   summary names the rank that failed and its traceback.
 """
 import datetime
