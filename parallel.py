@@ -31,8 +31,8 @@ Choices:
   removed a fresh run's folder (runfolder.broken).
 - Failure (any other exception): a rank that raises exits non-zero; its peers' next collective
   fails (gloo: the connection closes) or torchrun stops them (SIGTERM, then SIGKILL after its
-  shutdown timeout), so the job never hangs. train.main is wrapped in torch's `record`, so torchrun's
-  summary names the rank that failed and its traceback.
+  shutdown timeout), so the job never hangs. train.main is wrapped in torch's `record`, so
+  torchrun's summary names the rank that failed and its traceback.
 """
 import datetime
 import os
