@@ -288,9 +288,9 @@ def memory_plan(policy, kv_budget: int, args) -> str:
         head = f"head in chunks of {gib(packed.CHUNK_ELEMS * 4)}"
     else:                      # the plain update's: the logits and their gradient
         head = f"logits + grad {gib(a.token_budget * cfg.vocab_size * 2 * size)}"
-    device = next(p.model.parameters()).device
+    device, dtype = next(p.model.parameters()).device, next(p.model.parameters()).dtype
     acts = (a.token_budget * cfg.num_hidden_layers * cfg.hidden_size * size if p.checkpointing
-            else policies.activation_bytes(cfg, a.token_budget, size, repeated_kv=device.type == "cuda" and size == 4))
+            else policies.activation_bytes(cfg, a.token_budget, size, repeated_kv=not packed.gqa_kernel(device, dtype)))
     page = PAGE[_kind(device)]
     rows = rows_that_fit(kv_budget, per_tok, prompt + a.max_new_tokens, page)
     why = ""

@@ -54,7 +54,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if packed_rows is None or attention_mask is not None:
         raise ValueError("packed_attention runs only inside packed.logprobs (its rows and no mask)")
     gqa = query.shape[1] != key.shape[1]
-    if gqa and not gqa_kernel(query):   # K/V's heads repeated: Hq/Hkv x their bytes, linear in N
+    if gqa and not gqa_kernel(query.device, query.dtype):   # heads repeated: Hq/Hkv x K/V's bytes
         key, value = (x.repeat_interleave(query.shape[1] // x.shape[1], 1) for x in (key, value))
         gqa = False
 
@@ -66,13 +66,14 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     return torch.cat(parts, 1).transpose(0, 1)[None], None
 
 
-def gqa_kernel(query) -> bool:
-    """Whether SDPA runs this query's grouped K/V heads (enable_gqa) in a kernel that skips the
-    (L, L) scores: flash, on a CPU in any dtype and on CUDA in bf16/fp16. CUDA's memory-efficient
-    kernel (its fp32 path) takes no grouped heads, so there SDPA would fall to its math kernel and
-    keep fp32 (Hq, L, L) scores per row for the backward, which the memory plan does not count
-    (policies.activation_bytes); packed_attention repeats K/V's heads instead."""
-    return not (query.is_cuda and query.dtype == torch.float32)
+def gqa_kernel(device, dtype) -> bool:
+    """Whether SDPA runs grouped K/V heads (enable_gqa) on `device` in `dtype` in a kernel that
+    skips the (L, L) scores: flash, on a CPU in any dtype and on CUDA in bf16/fp16. CUDA's
+    memory-efficient kernel (its fp32 path) takes no grouped heads, so there SDPA would fall to
+    its math kernel and keep fp32 (Hq, L, L) scores per row for the backward; packed_attention
+    repeats K/V's heads instead, and the memory plan counts them (policies.activation_bytes'
+    `repeated_kv`, from this same answer)."""
+    return not (torch.device(device).type == "cuda" and dtype == torch.float32)
 
 
 def row_runs(lengths: list) -> tuple:

@@ -39,6 +39,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import gguf_models
+import packed
 
 HUB_IDS = {"0.6b": "Qwen/Qwen3-0.6B", "1.7b": "Qwen/Qwen3-1.7B", "4b": "Qwen/Qwen3-4B"}
 
@@ -177,8 +178,8 @@ def activation_bytes(config, tokens: int, itemsize: int, repeated_kv: bool = Fal
     output and log-sum-exp, the MLP's gate, up, activation and product), with no attention
     square (the packed forward's kernels keep none); in half precision also the fp32 inputs the
     RMSNorms keep (they compute in fp32): 2 h + Hq D + Hkv D more elements of 4 bytes.
-    `repeated_kv` (fp32 on CUDA, packed.gqa_kernel): the attention keeps K and V with their heads
-    repeated, 2 (Hq - Hkv) D more elements."""
+    `repeated_kv` (where `not packed.gqa_kernel`: fp32 on CUDA): the attention keeps K and V with
+    their heads repeated, 2 (Hq - Hkv) D more elements."""
     c = config
     h, I = c.hidden_size, c.intermediate_size
     hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
@@ -194,7 +195,7 @@ def checkpointing_plan(model, token_budget: int):
     after loading (the device's, or the host's on a CPU), on otherwise."""
     p = next(model.parameters())
     need = activation_bytes(model.config, token_budget, p.element_size(),
-                            repeated_kv=p.device.type == "cuda" and p.dtype == torch.float32)
+                            repeated_kv=not packed.gqa_kernel(p.device, p.dtype))
     if p.device.type == "cuda":
         free = torch.cuda.mem_get_info(p.device)[0]
     else:

@@ -329,13 +329,14 @@ def test_packed_attention_repeats_grouped_heads_where_sdpa_has_no_gqa_kernel(mon
     repeats them (the math kernel would keep (Hq, L, L) scores); the same output and gradients
     as SDPA's own grouping, checked on a CPU by forcing that path."""
     import packed
-    assert packed.gqa_kernel(torch.zeros(1)) and packed.gqa_kernel(torch.zeros(1, dtype=torch.bfloat16))
+    assert packed.gqa_kernel("cpu", torch.float32) and packed.gqa_kernel("cuda", torch.bfloat16)
+    assert not packed.gqa_kernel("cuda:1", torch.float32)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 11, 8, generator=g, requires_grad=True) for h in (6, 2, 2))
     runs = packed.row_runs([3, 3, 5])
     out = []
     for grouped in (True, False):
-        monkeypatch.setattr(packed, "gqa_kernel", lambda query, _g=grouped: _g)
+        monkeypatch.setattr(packed, "gqa_kernel", lambda device, dtype, _g=grouped: _g)
         o = packed.packed_attention(None, q, k, v, None, scaling=0.3, packed_rows=runs)[0]
         grads = torch.autograd.grad((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum(), (q, k, v))
         out.append((o.detach(), grads))

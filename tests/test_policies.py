@@ -225,21 +225,20 @@ def test_activation_count_matches_what_the_packed_forward_saves(monkeypatch, dty
     model = Qwen3ForCausalLM(cfg).eval().requires_grad_(False).to(dtype)
     pol = policies.Policy(model, None, ("g",), "shared", rank=8, alpha=16)
     weights = {p.data_ptr() for p in pol.parameters()}
-    kept = {}
     prompts, comps = [[5] * 100] * 4, [[7] * 50] * 4
-    with pol.using("shared") as m, torch.autograd.graph.saved_tensors_hooks(
-            lambda t: kept.setdefault(t.data_ptr(), t.untyped_storage().nbytes()) and t, lambda t: t):
-        grpo.row_logprobs(m, prompts, comps, 0.7)
-    tokens, size = sum(len(p) + len(c) - 1 for p, c in zip(prompts, comps)), torch.tensor([], dtype=dtype).element_size()
-    count, held = policies.activation_bytes(cfg, tokens, size), sum(v for k, v in kept.items() if k not in weights)
-    assert 0.75 < count / held < 1.25
-    if dtype == torch.float32:   # K/V with repeated heads (fp32 on CUDA) keep exactly what the count adds
-        monkeypatch.setattr(packed, "gqa_kernel", lambda query: False)
-        kept.clear()
+
+    def held_bytes():   # what autograd keeps of the forward for its backward, weights left out
+        kept = {}
         with pol.using("shared") as m, torch.autograd.graph.saved_tensors_hooks(
                 lambda t: kept.setdefault(t.data_ptr(), t.untyped_storage().nbytes()) and t, lambda t: t):
             grpo.row_logprobs(m, prompts, comps, 0.7)
-        more = sum(v for k, v in kept.items() if k not in weights) - held
+        return sum(v for k, v in kept.items() if k not in weights)
+    tokens, size = sum(len(p) + len(c) - 1 for p, c in zip(prompts, comps)), torch.tensor([], dtype=dtype).element_size()
+    count, held = policies.activation_bytes(cfg, tokens, size), held_bytes()
+    assert 0.75 < count / held < 1.25
+    if dtype == torch.float32:   # K/V with repeated heads (fp32 on CUDA) keep exactly what the count adds
+        monkeypatch.setattr(packed, "gqa_kernel", lambda device, dtype: False)
+        more = held_bytes() - held
         assert more == policies.activation_bytes(cfg, tokens, size, repeated_kv=True) - count > 0
     on, line = policies.checkpointing_plan(model, 16384)
     assert not on and "gradient checkpointing off (auto)" in line
