@@ -734,8 +734,8 @@ def skill_lines(study: str, groups: dict) -> list:
     a uniformly random pick among the same voters (chance) and against the majority vote, with
     the oracle; the share of the evaluator's calls that gave a verdict, and over those its
     verdict accuracy, false accepts and rejects, and Youden's J = 1 - false accept - false
-    reject (0: verdicts independent of the attempt's grade, as by chance). Differences over the arm's runs with their interval; kept runs whose evaluations
-    did not log it are "not logged"."""
+    reject (0: verdicts independent of the attempt's grade, as by chance). Differences over the
+    arm's runs with their interval; kept runs whose evaluations did not log it are "not logged"."""
     st, out = STUDIES[study], []
     for name in [a for a in st.order if a in groups] + sorted(set(groups) - set(st.order)):
         runs = [run for run, _ in groups[name]]

@@ -33,10 +33,10 @@
 #    the kernel-launching ops and host syncs per step.
 # sampler: greedy parity with model.generate, sampled rows replayed from CUDA graphs against the
 #    same call stepped eagerly (equal tokens), how long the host waits to upload a decode step's
-#    numbers behind queued work (pageable memory against engine._Upload's pinned buffers), then tokens/s of engine.generate against
-#    model.generate on a realistic workload of 256 prompts (half of 512, to leave the voting part
-#    its time; bench/generate.py; rows stop at lognormal lengths,
-#    so the row groups change as in a real call: graph captures per call are counted).
+#    numbers behind queued work (pageable memory against engine._Upload's pinned buffers), then
+#    tokens/s of engine.generate against model.generate on a realistic workload of 256 prompts
+#    (half of 512, to leave the voting part its time; bench/generate.py; rows stop at lognormal
+#    lengths, so the row groups change as in a real call: graph captures per call are counted).
 # sdpa: the SDPA kernel PyTorch picks at each call site (decode, prefill, training) and each
 #    kernel's time there, first call on a new shape and steady (bench/sdpa.py).
 # At the end, one summary table, also written to $OUT/gpu-summary.txt ($OUT: the device tool's
