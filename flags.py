@@ -136,9 +136,10 @@ def _optimisation_flags(g):
                    "toy, %g LoRA / %g full otherwise)" % (*LR["lora"][:1], *LR["full"][:1], LR["lora"][1], LR["full"][1]))
     g.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up, then cosine to 0" + scale_default("warmup_steps"))
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: %(default)s)")
-    g.add_argument("--mini-batch", type=int, default=None, help="sequences per optimizer step, at least 1 (default: problems-per-step x group-size, the paper's 512)")
-    g.add_argument("--token-budget", type=int, default=None, help="rows x padded length per micro-batch, at least one "
-                   "row at the length limits" + scale_default("token_budget"))
+    g.add_argument("--mini-batch", type=int, default=None, help="at most this many sequences per optimizer step (an adapter's rows cut into near-equal mini-batches), "
+                   "at least 1 (default: problems-per-step x group-size, the paper's 512)")
+    g.add_argument("--token-budget", type=int, default=None, help="tokens per micro-batch (each row's own when packed, rows x padded "
+                   "length otherwise), at least one row at the length limits" + scale_default("token_budget"))
     g.add_argument("--grad-checkpointing", default="auto", choices=["auto", "on", "off"],
                     help="recompute each layer in the backward instead of keeping its activations (auto: on only where a "
                     "micro-batch's activations would not fit, policies.checkpointing_plan) (default: %(default)s)")
@@ -305,8 +306,8 @@ def check_args(ap, args):
     if not 0 < args.top_p <= 1:
         ap.error("--top-p must be in (0, 1]")
     if args.tis and (args.tis <= 1 or args.top_p < 1):
-        ap.error("--tis C needs C > 1 and --top-p 1: under top-p the sampler stores the full distribution's logprob, "
-                 "not the one it drew from, so the weights would be biased")
+        ap.error("--tis C needs C > 1 and --top-p 1: under top-p the sampler's logprob is the nucleus's "
+                 "(p / the mass kept), so the weight would be the mass kept, not the drift")
     if args.lora_alpha <= 0:
         ap.error("--lora-alpha must be > 0 (the adapter's update is scaled by alpha / rank)")
     if not 0 <= args.clip_low < 1 or args.clip_high < 0:

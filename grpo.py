@@ -32,25 +32,18 @@ Each choice and the train.py flag that sets it (the flags fill a `Hyper`, fields
   TF32's (policies.cuda_settings), and in bf16 the recompute batches rows otherwise than the
   training forward, so a later mini-batch's ratio at unchanged weights is 1 only to bf16
   rounding (about 1e-2 in a token's logp), where the first one's is exactly 1.
-- w_it, the sampler's drift corrected (`--tis C`, default 0: off): the tokens were drawn by the
-  sampler, whose logprobs differ from the trainer's for the same weights (another kernel, in
-  bf16 another rounding, compounding over long completions), so the loss's expectation is over
-  the wrong distribution; token-level truncated importance sampling (as verl and TRL do)
-  weights each token's policy term by p_old / p_sampler, capped at C (2 is verl's usual cap),
-  detached. Off by default because the paper trains without it and on fp32 (the toy world,
-  every CPU run) the weights are 1 within rounding, so it would only cost; on bf16 at the
-  paper's lengths turn it on. The drift itself is logged every step whether corrected or not
-  (`drift`: mean and largest |logp_old - logp_sampler|, a k3 estimate of KL(sampler ||
-  trainer), and the share of tokens whose ratio leaves [1/C, C], C = --tis or DRIFT_CAP).
-  With `--top-p` < 1 the sampler stores the logprob of the full distribution, not of the
-  truncated one it drew from, so the weight would be biased: flags.py refuses the pair.
+- w_it, the sampler's drift corrected (`--tis C`, default 0: off, as in the paper): the
+  sampler's logprobs differ from the trainer's at equal weights (another kernel, in bf16
+  another rounding), so `tis_weights` reweights each token by p_old / p_sampler, capped at C.
+  On fp32 (the toy, every CPU run) the weights are 1 within rounding; on bf16 at the paper's
+  lengths turn it on. The drift is logged every step either way (`drift`).
 - one epoch; each optimizer's n samples are shuffled and cut into ceil(n / `--mini-batch`)
-  mini-batches of near-equal size (512 each at the paper's settings), one AdamW step per
-  mini-batch (so a role with more calls takes more steps under isolated), gradients
-  accumulated over micro-batches of at most `--token-budget` padded tokens, clipped to
-  `--max-grad-norm` per optimizer step; lr `--lr` with `--warmup-steps` of linear warm-up then
-  cosine to 0 over `--steps`; under isolated a role's own lr with `--lr-role ROLE=VALUE`, where
-  0 freezes the role.
+  mini-batches of near-equal size (512 each at the paper's settings), one AdamW step (betas 0.9,
+  0.999; `--weight-decay` 0) per mini-batch (so a role with more calls takes more steps under
+  isolated), gradients accumulated over micro-batches of about `--token-budget` tokens
+  (`forward_batches`), clipped to `--max-grad-norm` per optimizer step; lr `--lr` with
+  `--warmup-steps` of linear warm-up then cosine to 0 over `--steps`; under isolated a role's
+  own lr with `--lr-role ROLE=VALUE`, where 0 freezes the role.
 
 Devices that keep memory and time bounded without changing the gradient (beyond fp32 rounding):
 - the packed forward (packed.py, `row_logprobs`), used wherever the model allows (a decoder and
@@ -107,7 +100,7 @@ class Sample:
     advantage: float           # group-normalised reward
     rollout: int = 0           # which of the problem's G episodes (for logs)
     call: int = 0              # index of the call within its episode (for logs)
-    here: bool = True          # False: a row another process computes (it still counts here)
+    here: bool = True          # False: another rank's row, a stand-in (no prompt) its rank runs; counted here
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -136,7 +129,8 @@ def group_advantages(rewards: list, keys: list, eps: float = 1e-6) -> list:
 
 
 def samples_from_episodes(episodes, group_by: str = "slot") -> list:
-    """Every call of every (scored) episode as a Sample, with its group's advantage.
+    """Every sampled call of every (scored) episode as a Sample, with its group's advantage (a
+    call never sampled, its prompt over the length limit, is left out of its group).
 
     Reads only attributes: episode.problem_id, .rollout, .reward, .calls; call.role, .slot,
     .prompt_ids, .completion_ids, .logprobs, .finished, and .reward where it is set (what the
@@ -349,9 +343,12 @@ def objective(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float, c
 
 def tis_weights(old_logp, sampler_logp, cap: float):
     """min(p_old / p_sampler, cap) per token (B, T), no grad: truncated importance sampling at the
-    token level. The tokens were drawn by the sampler, whose numbers differ from the trainer's;
-    the ratio reweights the loss's expectation to the trainer's old policy, and the cap bounds
-    the variance a token whose sampler logprob is far too low could add."""
+    token level, as verl and TRL do (2 is verl's usual cap). The tokens were drawn by the sampler,
+    whose numbers differ from the trainer's (compounding over long completions); the ratio
+    reweights the loss's expectation to the trainer's old policy, and the cap bounds the variance
+    a token whose sampler logprob is far too low could add. With `--top-p` < 1 the sampler's
+    logprob is the nucleus's (p / the mass kept) and logp_old the full softmax's, so the weight
+    would be the mass kept, not a drift: flags.py refuses the pair."""
     with torch.no_grad():
         return torch.exp((old_logp - sampler_logp).clamp(max=math.log(cap)))
 
@@ -360,7 +357,8 @@ def drift(old_logp, sampler_logp, cap: float) -> list:
     """The sampler's drift from the trainer over one row's tokens (1-D each), as additive sums
     and one max: [sum |d|, max |d|, sum k3, tokens whose ratio p_old / p_sampler leaves
     [1/cap, cap], tokens], d = logp_old - logp_sampler. k3 = exp(d) - d - 1 estimates
-    KL(sampler || trainer) from the sampler's own draws (>= 0, unbiased)."""
+    KL(sampler || trainer) from the sampler's own draws (>= 0, unbiased). Logged every step,
+    corrected or not, with cap = --tis or DRIFT_CAP (`Hyper.drift_cap`)."""
     d = (old_logp - sampler_logp).double()
     if not len(d):
         return [0.0, 0.0, 0.0, 0, 0]
@@ -424,7 +422,7 @@ DRIFT_CAP = 2.0   # the share of tokens whose sampler/trainer ratio leaves [1/2,
 class Hyper:
     """The update's hyper-parameters; train.py fills them from its flags of the same names."""
     temperature: float = 0.7
-    mini_batch: int = 512           # sequences per optimizer step
+    mini_batch: int = 512           # at most this many sequences per optimizer step
     clip_low: float = 0.2
     clip_high: float = 0.28
     clip_c: float = 3.0             # dual clip
@@ -432,7 +430,7 @@ class Hyper:
     kl_coef: float = 0.0
     kl_coef_role: dict = field(default_factory=dict)   # {role: coefficient}, overrides kl_coef
     max_grad_norm: float = 1.0      # 0: no clipping
-    token_budget: int = 8192        # padded tokens per micro-batch
+    token_budget: int = 8192        # tokens per micro-batch (forward_batches)
     skip_zero: bool = True          # skip rows with no gradient (see rows_to_run)
     packing: bool = True            # the packed forward (packed.py) where the model allows
     tis: float = 0.0                # cap C of the tokens' truncated importance weights; 0: none
@@ -581,7 +579,8 @@ def micro_loss(model, samples, rows, old: dict, base: dict, hp: Hyper, denom, en
     its per-token (mask, ratio, clipped, k3), and the old logprobs and entropies it used, per
     row: `old`'s {i: (logprob, entropy)}, or for a row not in it its own, detached (logp_old in
     the module docstring), with its entropy if `entropy`. `base` {i: logprob}: the KL reference."""
-    beta, first = hp.kl(samples[rows[0]].role), rows[0] not in old
+    beta = hp.kl(samples[rows[0]].role)
+    first = rows[0] not in old     # no logp_old yet: a row of its adapter's first mini-batch
     logp, ent, mask = row_logprobs(model, [samples[i].prompt_ids for i in rows],
                                    [samples[i].completion_ids for i in rows], hp.temperature,
                                    entropy=first and entropy, packing=hp.packing)                # (B, T)
@@ -622,8 +621,10 @@ def update(policy, optimizers, schedulers, samples, hp: Hyper, shuffle=None, red
     names = [name for name in policy.names if not frozen(optimizers[name])]
     runs = [r and policy.adapter(s.role) in names for r, s in zip(rows_to_run(samples, hp), samples)]
     plan = {name: optimizer_batches(adapter_rows(policy, samples, name, shuffle), hp.mini_batch) for name in names}
-    later = sorted(i for mbs in plan.values() for mb in mbs[1:] for i in mb if runs[i])   # in the samples' order
-    old = old_logprobs(policy, samples, later, hp, probe.entropy)
+    # an adapter's first mini-batch runs at the rollout's weights, so its own forward, detached, is
+    # its logp_old (micro_loss); only the later mini-batches' rows need theirs now, before any step
+    recompute = sorted(i for mbs in plan.values() for mb in mbs[1:] for i in mb if runs[i])   # samples' order
+    old = old_logprobs(policy, samples, recompute, hp, probe.entropy)
     base = base_logprobs(policy, samples, [i for i, s in enumerate(samples) if runs[i] and hp.kl(s.role)], hp)
     probe.begin(samples, runs)
     probe.old_logprobs(old)

@@ -251,9 +251,10 @@ class LoRA(nn.Module):
         self.A[name], self.B[name] = A, B
 
     def weights(self, name: str, i: int, dtype):
-        """(A, B) of adapter `name` at layer i in `dtype` (the base's): the fp32 parameters, or
-        casts that carry the gradient back when grad is on, else copies kept until an optimizer
-        step (STEPS) or an in-place edit (the versions) changes them, refreshed in place."""
+        """(A, B) of adapter `name` at layer i in `dtype` (the base's). On an fp32 base (the toy,
+        every CPU run) they are the parameters themselves. Otherwise casts: ones that carry the
+        gradient back when grad is on, else copies kept until an optimizer step (STEPS) or an
+        in-place edit (the versions) changes them, refreshed in place (a CUDA graph reads them)."""
         A, B = self.A[name][i], self.B[name][i]
         if dtype == A.dtype or torch.is_grad_enabled():
             return A.to(dtype), B.to(dtype)

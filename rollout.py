@@ -1,7 +1,7 @@
 """Rollout: the sampler as a concept, and the `llm` that runs a workflow's stages through it.
 
     out = generate_simple(model, prompts, max_new_tokens=48, stop_ids=[im_end, eot], pad_id=eot,
-                          temperature=0.7, seed=0, keys=row_keys)   # a Generation: tokens, logprobs, mask
+                          temperature=0.7, seed=0, keys=[7, 8])    # a Generation: tokens, logprobs, mask
     llm = make_llm(policy, temperature=0.7, max_new_tokens=48)      # llm(role, slots, messages_list, keys=keys)
 
 `generate_simple` is the sampler to read: every prompt left-padded into one batch and one

@@ -10,7 +10,7 @@ One training step, literally below in `main`:
   2. run the workflow G times on each (rollout.py + workflows.py);
   3. grade each episode's final answer (its task kind's reward, taskkinds.py) and pay the
      0/1 reward to every call (or, with --credit own, a solution call its own text's grade);
-  4. group advantages by (problem, slot) and update each role's weights (grpo.py), with the
+  4. group advantages by (problem, slot) and update each adapter (grpo.py), with the
      role-level gradient dynamics measured on the way (dynamics.py);
   5. log, evaluate every --eval-every steps, checkpoint every --save-every steps.
 The untrained workflow is evaluated at step 0 on a fixed held-out set (pass@1 at the training
@@ -249,12 +249,12 @@ def main(argv=None):
             # 3. reward: grade each final answer, pay it to every call of the episode
             parallel.together(comm, grade, episodes, args.task, args.credit)
             t2 = time.time()
-            # 4. advantages grouped by (problem, slot), then one update per role's optimizer
+            # 4. advantages grouped by (problem, slot), then one update per adapter's optimizer
             samples = grpo.samples_from_episodes(episodes, group_by=args.adv_group)
-            rows = parallel.every_rank_rows(comm, samples) if comm else samples
+            all_samples = parallel.every_rank_rows(comm, samples) if comm else samples   # every rank's rows
             shuffle = torch.Generator().manual_seed(seeds.derive(args.seed, "shuffle", step))   # every rank's
             dyn = dynamics.RoleDynamics(run.policy, comm=comm, damp=run.damp)   # reads the update, changes nothing
-            grpo.update(run.policy, run.optimizers, run.schedulers, rows, run.hyper, shuffle=shuffle,
+            grpo.update(run.policy, run.optimizers, run.schedulers, all_samples, run.hyper, shuffle=shuffle,
                         reduce=comm.reduce_grads if comm else None, probe=dyn, intervention=run.damp)
             # 5. log, evaluate, save (a stop that reached any rank stops them all at this step)
             m = runfolder.step_record(run, step, episodes, dyn.summary(run.hyper), (t0, t1, t2, time.time()))

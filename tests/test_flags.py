@@ -72,9 +72,9 @@ def test_full_copies_in_bfloat16_are_refused_in_one_line(capsys, tmp_path, monke
 
 
 def test_tis_under_top_p_is_refused_in_one_line(capsys, tmp_path):
-    """The sampler stores the full distribution's logprob under top-p: the weights would be biased."""
+    """Under top-p the sampler's logprob is the nucleus's: the weight would be the mass kept, not a drift."""
     line = refused(capsys, ["--tis", "2", "--top-p", "0.9", "--out", str(tmp_path / "r")])
-    assert "--top-p 1: under top-p the sampler stores" in line and not (tmp_path / "r").exists()
+    assert "--top-p 1: under top-p the sampler's logprob is the nucleus's" in line and not (tmp_path / "r").exists()
     assert flags.hyper(flags.parse_args(["--tis", "2", "--out", str(tmp_path / "r")])).tis == 2.0
 
 
