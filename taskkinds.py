@@ -17,8 +17,8 @@ A registration gives everything the rest of the code asks of a kind:
   reward needs, beyond the id, prompt and source every record has (tasks.validate);
 - `marker`: the field that marks a record of this kind when it has no "kind" field (`answer`
   math, `tests` code); a record may always name its kind with "kind": NAME;
-- `key(text, problem)`, optional: pairs with equal keys get equal rewards, so a batch grades
-  each key once (default: the whole text and the problem's id); `workers(pairs)`, optional:
+- `key(text, problem)`, optional: pairs of one problem with equal keys get equal rewards, so a
+  batch grades each (problem id, key) once (default: the whole text); `workers(pairs)`, optional:
   how many distinct pairs to grade at once, in threads (default 1);
 - `parse(text)`, optional: what the reward reads of a text (math: its last \\boxed{}), None when
   it finds nothing; with it, a first batch paid all 0 says whether any answer parsed.
@@ -245,13 +245,14 @@ def kind_of(record: dict) -> str:
 
 def score(texts: list, problems: list, task: str) -> list[float]:
     """Rewards of a batch: texts[i] graded against problems[i] by the task kind's reward. Pairs
-    with equal keys are graded once; kind.workers(pairs) of the distinct pairs at a time (the
+    of one problem (its id) with equal keys are graded once (so a key that leaves out the
+    problem cannot pay one problem's grade to another); kind.workers(pairs) of the distinct pairs at a time (the
     code reward's sandbox workers and the math reward's sympy checks are processes, so threads
     overlap them)."""
     if len(texts) != len(problems):
         raise ValueError(f"score: {len(texts)} texts for {len(problems)} problems")
     kind = get(task)
-    keys = [kind.key(t, p) for t, p in zip(texts, problems)]
+    keys = [(p.get("id"), kind.key(t, p)) for t, p in zip(texts, problems)]
     first = {}
     for key, text, problem in zip(keys, texts, problems):
         first.setdefault(key, (text, problem))

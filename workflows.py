@@ -746,9 +746,12 @@ def _check_stage(workflow: str, task: str, table: dict, role: str, slots: list, 
 
 
 def _check_books(workflow: str, episodes: list[Episode], rows: int, before: int) -> None:
-    """Once the workflow returns: every call it made is in its episode (once), and every episode
-    has its graded answer. A call held by no episode would never be trained (its role would
-    vanish from the metrics); an episode with no final_text would be graded as empty."""
+    """Once the workflow returns: every call it made is in its episode (once), every episode has
+    its graded answer, no call carries a reward of the workflow's own, and no episode is graded on
+    another episode's text. A call held by no episode would never be trained (its role would
+    vanish from the metrics); an episode with no final_text would be graded as empty; a reward set
+    here would skip the reward's checks and --credit; another episode's answer (an index slip)
+    would pay every call of this one for a text it never wrote."""
     held = sum(len(ep.calls) for ep in episodes) - before
     if held != rows:
         raise Broken(f"workflow {workflow!r} made {rows} llm calls, but its episodes hold {held} new ones; make every "
@@ -760,6 +763,27 @@ def _check_books(workflow: str, episodes: list[Episode], rows: int, before: int)
         raise Broken(f"workflow {workflow!r} left {len(missing)} of {len(episodes)} episodes without a graded "
                      f"answer{got}; set each episode's final_text (e.g. ep.final_text = call.text of the call that "
                      f"answers)")
+    paid = next((c for ep in episodes for c in ep.calls if c.reward is not None), None)
+    if paid is not None:
+        raise Broken(f"workflow {workflow!r} set the reward of a {paid.role} call ({taskkinds.shortened(paid.reward)}); "
+                     f"calls are paid once graded (their episode's reward, or under --credit own their own text's "
+                     f"grade: workflows.pay), so leave Call.reward unset and grade in a task kind's reward")
+    _check_own_answers(workflow, episodes)
+
+
+def _check_own_answers(workflow: str, episodes: list[Episode]) -> None:
+    """No episode's (non-empty) final_text is the text of another episode's call and of none of
+    its own: an index slip that grades every call of an episode on a text it never wrote."""
+    writers = {}
+    for i, ep in enumerate(episodes):
+        for c in ep.calls:
+            writers.setdefault(c.text, set()).add(i)
+    for i, ep in enumerate(episodes):
+        others = writers.get(ep.final_text, {i}) - {i}
+        if ep.final_text and others and i not in writers[ep.final_text]:
+            raise Broken(f"workflow {workflow!r} graded episode {i} (problem {ep.problem.get('id')!r}, rollout "
+                         f"{ep.rollout}) on the text of a call of episode {min(others)}, and of none of its own; set "
+                         f"each episode's final_text from its own calls (an index slip?)")
 
 
 def _dry_run(workflow: str, task: str, table: dict, params: dict) -> None:

@@ -14,12 +14,13 @@ import pytest
 import eval as ev
 import flags
 import sweep
+import rewards
 import taskkinds
 import toy
 import train
 import workflows as W
 from conftest import ROOT, refused
-from test_workflows import FakeLLM
+from test_workflows import FakeLLM, user
 
 K_GEN = taskkinds.GENERATOR_MATH
 CRITIC = "Point out the first mistake in the solution, or say it has none. End with \\boxed{ok} or \\boxed{wrong}."
@@ -302,6 +303,50 @@ def test_a_call_appended_twice_or_a_stage_of_the_old_signature_is_refused(regist
     with pytest.raises(ValueError, match=r"^stage\(llm, task, role, owners, parts=None, slots=None, revise=False\): "
                                          r"owners are Episodes, got task='generator'"):
         W.check_run("old", "math")
+
+
+def test_a_call_the_workflow_pays_or_an_episode_graded_on_anothers_text_is_refused(registries, tmp_path, capsys):
+    """A reward set in the workflow would skip the reward's checks and --credit; an index slip
+    (episode i graded on episode i + 1's answer) would pay each call for a text it never wrote."""
+    def pays(episodes, llm, task):     # a format penalty, paid by hand
+        for ep, call in zip(episodes, W.stage(llm, task, "generator", episodes)):
+            ep.final_text, call.reward = call.text, -1.0
+
+    def slip(episodes, llm, task):
+        answers = W.stage(llm, task, "generator", episodes)
+        for i, ep in enumerate(episodes):
+            ep.final_text = answers[(i + 1) % len(episodes)].text
+    W.register("pays", pays, {"generator": "generator"})
+    W.register("slip", slip, {"generator": "generator"})
+    assert train_refuses(capsys, tmp_path, "pays") == (
+        "error: workflow 'pays' set the reward of a generator call (-1.0); calls are paid once graded (their "
+        "episode's reward, or under --credit own their own text's grade: workflows.pay), so leave Call.reward unset "
+        "and grade in a task kind's reward (see python train.py --help)")
+    W.check_run("slip", "math")        # the dry run's answers are all empty: only a real run shows it
+    problems = [{**MATH_PROBLEM, "id": f"m{i}", "prompt": f"{i} + 1"} for i in range(3)]
+    answer = FakeLLM(generator=lambda slot, messages: f"\\boxed{{{user(messages)}}}")
+    with pytest.raises(ValueError) as e:
+        W.run_workflow("slip", [W.Episode(problem=p) for p in problems], answer, "math")
+    assert str(e.value) == ("workflow 'slip' graded episode 0 (problem 'm0', rollout 0) on the text of a call of "
+                            "episode 1, and of none of its own; set each episode's final_text from its own calls (an "
+                            "index slip?)")
+    same = [W.Episode(problem=p) for p in problems]   # every answer alike: each is also its own
+    W.run_workflow("slip", same, FakeLLM(generator="\\boxed{2}"), "math")
+    assert [ep.final_text for ep in same] == ["\\boxed{2}"] * 3
+
+
+def test_a_key_that_leaves_out_the_problem_grades_each_problem_apart(registries):
+    """A coarser key= (the boxed answer alone) must not pay one problem's grade to another."""
+    graded = []
+
+    def exact(text, problem):
+        graded.append(problem["id"])
+        return float(rewards.last_boxed(text) == problem["answer"])
+    taskkinds.register_task("boxed", exact, instructions={"generator": "Say it."}, default="Say it boxed.",
+                            check=lambda r: None, key=lambda text, problem: rewards.last_boxed(text))
+    problems = [{"id": "a", "answer": "2"}, {"id": "b", "answer": "3"}, {"id": "a", "answer": "2"}]
+    assert taskkinds.score(["\\boxed{2}", "\\boxed{2}", "so \\boxed{2}"], problems, "boxed") == [1.0, 0.0, 1.0]
+    assert graded == ["a", "b"]       # a's two texts share a key: graded once
 
 
 def test_a_contract_broken_where_the_dry_run_did_not_go_ends_the_run_in_one_line_leaving_nothing(
