@@ -9,12 +9,13 @@ Evaluate a base model or a checkpoint through a workflow on a test split:
     python eval.py --checkpoint runs/voting-math-shared-toy-s0          # its ckpt-best, its settings
 
 - With `--checkpoint RUN` (a run folder: its ckpt-best, else ckpt-last) or `RUN/ckpt-N`, the
-  workflow, task, data (the run's --eval-data when it had one), scale, sharing, isolation and
-  length limits come from RUN/config.json; a flag given on the command line wins.
+  workflow, task, data (the run's --eval-data when it had one), scale, sharing, isolation,
+  length limits, temperature and top-p come from RUN/config.json; a flag given on the command
+  line wins.
 - The test set: the whole test split of the data, or the run's own evaluation set (its
   --eval-problems) for a checkpoint; `--problems N` draws N (capped at the split's size).
-- Sampling at temperature 0.7, top-p 1 (the training temperature), `--samples` episodes per
-  problem. pass@1 is the mean over problems of c/n; pass@k is the unbiased estimator
+- Sampling at the run's temperature and top-p (the paper's 0.7 and 1 without a run),
+  `--samples` episodes per problem. pass@1 is the mean over problems of c/n; pass@k is the unbiased estimator
   1 - C(n-c, k) / C(n, k) averaged over problems (n episodes, c correct), reported for
   k = 1, 2, 4, ... up to n.
 - Per-role quality where the task gives ground truth (every judged or candidate solution is
@@ -451,8 +452,8 @@ def _checkpoint_config(checkpoint: str, run_dir: str) -> dict:
 
 
 RUN_SETTINGS = ("workflow", "task", "scale", "sharing", "isolation", "max_new_tokens", "max_prompt_tokens",
-                "max_embed_tokens")
-FALLBACKS = {"scale": "toy", "sharing": "shared", "isolation": "lora", "task": "math"}
+                "max_embed_tokens", "temperature", "top_p")
+FALLBACKS = {"scale": "toy", "sharing": "shared", "isolation": "lora", "task": "math", "temperature": 0.7, "top_p": 1.0}
 
 
 def resolve_settings(args) -> tuple:
@@ -467,6 +468,8 @@ def resolve_settings(args) -> tuple:
     st = {k: getattr(args, k) if getattr(args, k) is not None else cfg.get(k, FALLBACKS.get(k)) for k in RUN_SETTINGS}
     if not st["workflow"]:
         raise ValueError("give --workflow, or --checkpoint of a run that has one in its config.json")
+    if not (0 < st["top_p"] <= 1 and st["temperature"] >= 0):
+        raise ValueError(f"--top-p must be in (0, 1] and --temperature >= 0, got {st['top_p']} and {st['temperature']}")
     run_data = cfg.get("eval_data") or cfg.get("data")
     st.update(checkpoint=checkpoint, data=args.data or run_data or tasks.default_data(st["scale"], st["task"]),
               lora_rank=int(cfg.get("lora_rank", 64)), lora_alpha=float(cfg.get("lora_alpha", 32.0)))
@@ -482,8 +485,10 @@ def resolve_settings(args) -> tuple:
         raise ValueError("--toy-seed is a toy model's warm-start seed (>= 0, at --scale toy)")
     default_new, default_prompt, default_embed = tasks.length_limits(st["scale"], st["task"])
     st["max_new_tokens"] = st["max_new_tokens"] or default_new
-    st["max_prompt_tokens"] = st["max_prompt_tokens"] or default_prompt
-    st["max_embed_tokens"] = st.get("max_embed_tokens") or default_embed
+    for k, default in (("max_prompt_tokens", default_prompt), ("max_embed_tokens", default_embed)):
+        # a run's null is its "no limit" (train.py's 0), not "unset"; the flag's 0 is the same
+        st[k] = None if getattr(args, k) == 0 or (getattr(args, k) is None and k in cfg and cfg[k] is None) \
+            else st[k] or default
     taken = [k for k in (*RUN_SETTINGS, "data") if cfg.get(k) is not None and getattr(args, k) is None]
     if taken:
         notes.append(f"from {os.path.join(run_dir, 'config.json')}: " + ", ".join(f"{k} {st[k]}" for k in taken))
@@ -558,7 +563,7 @@ def _llm_from_settings(args, st: dict, kind: str):
     if st["checkpoint"]:
         policy.load_adapters(st["checkpoint"])
     sampler = functools.partial(engine.generate, kv_budget=engine.default_kv_budget(args.device), host=True)
-    return rollout.make_llm(policy, sampler=sampler, temperature=args.temperature, top_p=1.0, seed=st["seed"],
+    return rollout.make_llm(policy, sampler=sampler, temperature=st["temperature"], top_p=st["top_p"], seed=st["seed"],
                             max_new_tokens=st["max_new_tokens"], max_prompt_tokens=st["max_prompt_tokens"],
                             max_embed_tokens=st["max_embed_tokens"])
 
@@ -574,7 +579,8 @@ def _num(x, fmt=".3g") -> str:
 def _print_evaluation(res: dict):
     import analysis
     print(f"{res['workflow']} / {res['data']} ({res['task']}) / {res['scale']} / {res['checkpoint'] or 'base'}: "
-          f"{res['problems']} problems x {res['samples']} samples, T={res['temperature']}")
+          f"{res['problems']} problems x {res['samples']} samples, T={res['temperature']}"
+          + (f", top-p {res['top_p']}" if res["top_p"] < 1 else ""))
     print(analysis.text_table(["k", "pass@k (%)"], [[k, _pct(v)] for k, v in res["pass@k"].items()]))
     q = res["quality"]
     print()
@@ -618,7 +624,7 @@ def _evaluate_cli(args):
             print(n, file=sys.stderr)
     res = evaluate(llm, st["workflow"], problems, st["task"], samples=args.samples, batch_size=st["batch_size"],
                    progress=not (args.json or args.quiet), stream=st["stream"], **st["params"])
-    res.update(scale=st["scale"], checkpoint=st["checkpoint"], data=st["data"], temperature=args.temperature,
+    res.update(scale=st["scale"], checkpoint=st["checkpoint"], data=st["data"], temperature=st["temperature"], top_p=st["top_p"],
                seed=st["seed"], stream=list(st["stream"]), instruction=args.instruction,
                sharing=st["sharing"], isolation=st["isolation"], max_new_tokens=st["max_new_tokens"],
                max_prompt_tokens=st["max_prompt_tokens"])
@@ -781,7 +787,10 @@ def _parser():
                    "unset: the run's evaluation set, else the whole test split")
     e.add_argument("--batch-size", type=int, default=None, help="problems per rollout batch (default: the checkpoint "
                    "run's episodes per step, else 16; the draws do not depend on it)")
-    e.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (the paper's 0.7)")
+    e.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the checkpoint "
+                   "run's, else the paper's 0.7)")
+    e.add_argument("--top-p", type=float, default=None, help="nucleus sampling's mass (default: the checkpoint run's, "
+                   "else 1, the paper's)")
     e.add_argument("--max-new-tokens", type=int, default=None, help="completion length limit per call (default: "
                    "tasks.length_limits: 48 at --scale toy, the paper's 5120 math / 2048 code)")
     e.add_argument("--max-prompt-tokens", type=int, default=None,

@@ -5,6 +5,7 @@
     python -m pytest -q tests/test_eval.py
 """
 import json
+import shutil
 import math
 import os
 import subprocess
@@ -319,7 +320,8 @@ def test_sweep_dry_run(tmp_path):
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """A 2-step Isolated Voting run of a tiny random Qwen3 (toy tokenizer) on .jsonl files:
-    4 training and 4 test problems, evaluated on 3 of them (--eval-problems 3), 6 new tokens."""
+    4 training and 4 test problems, evaluated on 3 of them (--eval-problems 3), 6 new tokens,
+    sampled at T 1.3 and top-p 0.9 (not eval.py's defaults)."""
     from conftest import save_tiny_toy_model
 
     import toy
@@ -337,7 +339,8 @@ def trained_run(tmp_path_factory):
                 "--workflow", "voting", "--sharing", "isolated", "--steps", "2", "--problems-per-step", "2",
                 "--group-size", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "120", "--eval-problems", "3",
                 "--eval-every", "1", "--save-every", "1", "--samples-every", "1", "--lora-rank", "2",
-                "--lr", "1e-2", "--warmup-steps", "1", "--device", "cpu", "--quiet", "--out", out])
+                "--lr", "1e-2", "--warmup-steps", "1", "--temperature", "1.3", "--top-p", "0.9", "--device", "cpu",
+                "--quiet", "--out", out])
     return out, model_dir, files["test"]
 
 
@@ -355,6 +358,7 @@ def test_checkpoint_of_a_run_folder_takes_the_runs_settings(trained_run, capsys)
     assert (res["workflow"], res["task"], res["scale"], res["data"], res["sharing"], res["max_new_tokens"]) == \
         ("voting", "math", model_dir, test_file, "isolated", 6)  # the run's --eval-data is the test set
     assert res["problems"] == 3  # the run's own evaluation set (3 of the 4 test problems)
+    assert (res["temperature"], res["top_p"]) == (1.3, 0.9)
     assert res["quality"]["roles"]["generator"]["len_tokens"] <= 6
     assert "config.json: workflow voting, task math" in err
     # the run's own draws for that step: the numbers its eval.jsonl holds, to the last token
@@ -446,3 +450,21 @@ def test_instruction_rewords_the_generator_for_one_evaluation_and_keeps_the_phra
         ev.reword_generator("arith", "Reply with the answer alone.", "toy")
     with pytest.raises(ValueError, match="no phrase may hold another"):
         ev.reword_generator("arith", taskkinds.AGGREGATOR_MATH + " Now.", "smollm2-135m")
+
+
+def test_a_runs_no_prompt_limit_stays_none_and_the_flags_zero_means_none(trained_run, tmp_path):
+    """train.py's --max-prompt-tokens 0 is saved as null: "no limit", which eval.py keeps rather
+    than taking the scale's default (400 in the toy world) as for a setting the run never had."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run[0], run)
+    cfg = json.load(open(run / "config.json"))
+    json.dump({**cfg, "scale": "toy", "max_prompt_tokens": None}, open(run / "config.json", "w"))
+
+    def limit(*argv):
+        return ev.resolve_settings(ev._parser().parse_args(list(argv)))[0]["max_prompt_tokens"]
+    assert limit("--checkpoint", str(run)) is None
+    assert limit("--checkpoint", str(run), "--max-prompt-tokens", "50") == 50
+    assert limit("--workflow", "single", "--scale", "toy") == 400
+    assert limit("--workflow", "single", "--scale", "toy", "--max-prompt-tokens", "0") is None
+    json.dump({**cfg, "scale": "toy"}, open(run / "config.json", "w"))
+    assert limit("--checkpoint", str(run)) == 120
