@@ -300,7 +300,7 @@ def make_llm(policy, *, sampler=None, temperature: float = 0.7, top_p: float = 1
                                                         for k in keys])
         return [_call(role, slots[i], messages_list[i], ids, out, i, tok) for i, ids in enumerate(prompts)]
 
-    llm.stats = stats
+    llm.stats, llm.seed = stats, seed
     llm.clip = make_clip(tok, max_embed_tokens)   # workflows.py shortens embedded texts with it
     return llm
 
@@ -319,7 +319,11 @@ def run_episodes(llm, workflow: str, problems: list, group_size: int, task: str,
     """Run `workflow` on every problem `group_size` times; return the Episodes (calls and final
     text filled in, rewards not yet). `stream` names what the episodes' draws are for, e.g.
     ("train", step) or ("eval", step): with the problem, the rollout and the call, it keys
-    every row's random numbers."""
+    every row's random numbers. A workflow's own draws from Python's, numpy's or torch's global
+    generator are seeded from the same (seed, stream, problems) and leave those generators as
+    they were (seeds.global_generators)."""
     episodes = [Episode(problem=p, rollout=g, stream=tuple(stream)) for p in problems for g in range(group_size)]
-    run_workflow(workflow, episodes, llm, task, **params)
+    ids = tuple(str(p.get("id")) for p in problems)
+    with seeds.global_generators(seeds.derive(getattr(llm, "seed", 0), "workflow", tuple(stream), ids, group_size)):
+        run_workflow(workflow, episodes, llm, task, **params)
     return episodes

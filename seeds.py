@@ -4,6 +4,7 @@ run's --seed and what the number is for, never from a generator's position in a 
     key("train", 3)                          # an int64 from any parts (str, int, float, tuple)
     derive(seed, "problems", step)           # a seed for random.Random / torch.Generator
     uniforms(seed, keys, positions)          # float64 in [0, 1), one per (key, position)
+    with global_generators(derive(seed, ...)):   # a fork's own random / numpy / torch draws
 
 So a completion's draws depend on the seed, the step (or the evaluation), and the row's
 identity (problem, rollout, call: what rollout.make_llm hashes into a row key) and its token
@@ -16,8 +17,11 @@ The mixer is SplitMix64's finaliser (Steele, Lea, Flood 2014), in int64 tensor a
 call hashes a whole batch on the device; `splitmix64` is the plain-integer version that the
 tests check it against.
 """
+import contextlib
 import hashlib
+import random
 
+import numpy as np
 import torch
 
 M64 = (1 << 64) - 1
@@ -55,6 +59,23 @@ def key(*parts) -> int:
     Python's hash, which is seeded per process)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return _signed(int.from_bytes(digest, "little"))
+
+
+@contextlib.contextmanager
+def global_generators(seed: int):
+    """Python's, numpy's and torch's (CPU) global generators seeded with `seed` inside, and put
+    back as they were after: a workflow that draws with them (random.sample of its candidates)
+    repeats under the run's seed and on resume, and nothing outside sees its draws."""
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            random.seed(seed)
+            np.random.seed(seed & 0xFFFFFFFF)
+            torch.manual_seed(seed)
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
 
 
 def derive(seed: int, *what) -> int:

@@ -335,6 +335,37 @@ def test_a_call_the_workflow_pays_or_an_episode_graded_on_anothers_text_is_refus
     assert [ep.final_text for ep in same] == ["\\boxed{2}"] * 3
 
 
+def test_a_workflows_own_random_draws_repeat_with_the_seed_and_leave_the_global_generators_alone(registries):
+    """A fork that shuffles its candidates with random.sample (or numpy's, or torch's global
+    generator) draws the same under the same seed and step, so a run repeats and resumes."""
+    import random
+
+    import numpy as np
+    import torch
+
+    import rollout
+    drawn = []
+
+    def shuffles(episodes, llm, task):
+        for ep, call in zip(episodes, W.stage(llm, task, "generator", episodes)):
+            drawn.append((random.random(), float(np.random.rand()), float(torch.rand(()))))
+            ep.final_text = call.text
+    W.register("shuffles", shuffles, {"generator": "generator"})
+    problems = [{**MATH_PROBLEM, "id": f"m{i}"} for i in range(2)]
+    before = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
+
+    def draws(seed, step):
+        llm, drawn[:] = FakeLLM(generator="\\boxed{2}"), []
+        llm.seed = seed
+        rollout.run_episodes(llm, "shuffles", problems, 2, "math", ("train", step))
+        return list(drawn)
+    first = draws(5, 1)
+    assert len(first) == 2 + 4 and draws(5, 1) == first   # the dry run's 2 episodes, then 2 x 2
+    assert draws(5, 2) != first and draws(6, 1) != first
+    assert random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()
+    assert torch.equal(torch.get_rng_state(), before[2])
+
+
 def test_a_key_that_leaves_out_the_problem_grades_each_problem_apart(registries):
     """A coarser key= (the boxed answer alone) must not pay one problem's grade to another."""
     graded = []
