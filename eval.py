@@ -340,13 +340,14 @@ def _graded_call(ep):
 
 
 def cut_counts(episodes: list) -> dict:
-    """What the length cap cut, as whole numbers: {"cut": {role: calls cut before a stop token},
+    """What the length caps cut, as whole numbers: {"cut": {role: calls cut before a stop token},
     "graded_cut": episodes whose graded answer was cut, "uncut_correct": right episodes among
-    the others}. Rates: cut / calls, and uncut_correct / (n - graded_cut) is the accuracy among
-    the answers the cap left whole."""
+    the others, "prompt_cut": {role: calls whose prompt lost its start}}. Rates: cut / calls,
+    and uncut_correct / (n - graded_cut) is the accuracy among the answers the cap left whole."""
     cut = Counter(c.role for ep in episodes for c in ep.calls if not c.finished)
+    prompt_cut = Counter(c.role for ep in episodes for c in ep.calls if getattr(c, "prompt_cut", False))
     graded_cut = [not getattr(_graded_call(ep), "finished", True) for ep in episodes]
-    return {"cut": dict(sorted(cut.items())), "graded_cut": sum(graded_cut),
+    return {"cut": dict(sorted(cut.items())), "prompt_cut": dict(sorted(prompt_cut.items())), "graded_cut": sum(graded_cut),
             "uncut_correct": sum(ep.reward > 0.5 for ep, g in zip(episodes, graded_cut) if not g)}
 
 
@@ -403,7 +404,7 @@ def merge_records(recs: list) -> dict:
         out[key] = {role: sum(round((r[key].get(role) or 0.0) * r["calls"].get(role, 0)) for r in recs) / c
                     for role, c in sorted(calls.items()) if c}
     out["calls"] = dict(sorted(calls.items()))
-    for key in ("cut", "graded_cut", "uncut_correct", "skill"):
+    for key in ("cut", "prompt_cut", "graded_cut", "uncut_correct", "skill"):
         if key in recs[0]:
             out[key] = (_sum_counts([r[key] for r in recs]) if isinstance(recs[0][key], dict)
                         else sum(r[key] for r in recs))

@@ -298,20 +298,20 @@ def make_llm(policy, *, sampler=None, temperature: float = 0.7, top_p: float = 1
             out = sampler(model, prompts, max_new_tokens, stops, tok.pad_token_id, temperature=temperature,
                           top_p=top_p, seed=seed, keys=[seeds.key(*k) if isinstance(k, tuple) else seeds.key(k)
                                                         for k in keys])
-        return [_call(role, slots[i], messages_list[i], ids, out, i, tok) for i, ids in enumerate(prompts)]
+        return [_call(role, slots[i], messages_list[i], ids, out, i, tok, rendered[i][1]) for i, ids in enumerate(prompts)]
 
     llm.stats, llm.seed = stats, seed
     llm.clip = make_clip(tok, max_embed_tokens)   # workflows.py shortens embedded texts with it
     return llm
 
 
-def _call(role, slot, messages, prompt_ids, out: Generation, i: int, tok) -> Call:
+def _call(role, slot, messages, prompt_ids, out: Generation, i: int, tok, prompt_cut: bool = False) -> Call:
     """Row i of a Generation as the Call of one role: what it sampled, kept with its logprobs."""
     keep = out.mask[i]
     comp = out.tokens[i][keep].tolist()
     return Call(role=role, slot=slot, messages=messages, text=tok.decode(comp, skip_special_tokens=True),
                 prompt_ids=prompt_ids, completion_ids=comp, logprobs=out.logprobs[i][keep].tolist(),
-                finished=bool(out.finished[i]))
+                finished=bool(out.finished[i]), prompt_cut=bool(prompt_cut))
 
 
 def run_episodes(llm, workflow: str, problems: list, group_size: int, task: str, stream: tuple = (),

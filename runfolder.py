@@ -335,13 +335,15 @@ def step_record(run, step, episodes, stats, times):
              *(sum(c.role == r for e in episodes for c in e.calls) for r in roles),
              *(sum(e.fallbacks.get(r, 0) for e in episodes) for r in roles),
              *(sum(c.role == r and c.reward is not None and c.reward != e.reward for e in episodes for c in e.calls)
-               for r in roles)]
+               for r in roles),
+             *(sum(c.role == r and c.prompt_cut for e in episodes for c in e.calls) for r in roles)]
     reward, n, tokens, *rest = run.comm.sum(local) if run.comm else local
     k = len(roles)
-    calls, fallbacks, apart = rest[:k], rest[k:2 * k], rest[2 * k:]
+    calls, fallbacks, apart, cut = rest[:k], rest[k:2 * k], rest[2 * k:3 * k], rest[3 * k:]
     for r, q in stats["roles"].items():
         q["fallback_rate"] = fallbacks[roles.index(r)] / max(1, calls[roles.index(r)])
         q["paid_apart"] = apart[roles.index(r)] / max(1, calls[roles.index(r)])
+        q["prompt_cut"] = cut[roles.index(r)] / max(1, calls[roles.index(r)])
     rollout_s = run.comm.sum(times[1] - times[0]) / run.comm.world if run.comm else times[1] - times[0]
     m = {"step": step, "reward": reward / n, "lr": run.schedulers[run.policy.names[0]].get_last_lr()[0], **stats,
          "time": {"rollout": times[1] - times[0], "score": times[2] - times[1],
@@ -375,10 +377,18 @@ def step_line(step, steps, m, last_acc):
 
 
 def log_step(run, step, m, episodes, samples):
-    """metrics.jsonl (and the tracker), transcripts: rank 0 only."""
+    """metrics.jsonl (and the tracker), transcripts: rank 0 only; the first step whose prompts
+    were cut at --max-prompt-tokens says so once (a cut prompt keeps its end, so it loses its
+    instruction and problem first: the run goes on, the role reading less than it was given)."""
     if not run.main:
         return
     args = run.args
+    cut = {r: q["prompt_cut"] for r, q in m["roles"].items() if q.get("prompt_cut")}
+    if cut and not getattr(run, "noted_prompt_cut", False):
+        run.noted_prompt_cut = True
+        print(f"note: step {step}: prompts cut at --max-prompt-tokens {args.max_prompt_tokens}, keeping their ends: "
+              + ", ".join(f"{r} {v:.0%}" for r, v in cut.items()) + "; metrics.jsonl logs it per role (prompt_cut)"
+              + " every step; raise --max-prompt-tokens or lower --max-embed-tokens", file=sys.stderr)
     log_jsonl(run.files["metrics"], m)
     if run.tracker is not None:
         run.tracker.log(m, step)

@@ -84,6 +84,7 @@ class Call:
     completion_ids: list = field(default_factory=list)  # sampled ids, stop token included
     logprobs: list = field(default_factory=list)        # sampler logprob of each completion id
     finished: bool = True         # False: cut at the length limit before a stop token
+    prompt_cut: bool = False      # True: its prompt kept only its last --max-prompt-tokens ids
     reward: float | None = None   # what this call is paid, when not its episode's reward (`pay`)
 
 

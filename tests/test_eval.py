@@ -192,20 +192,23 @@ def test_the_aggregators_pick_against_a_random_pick_the_majority_and_the_oracle(
 
 
 def test_an_evaluation_record_counts_what_the_cap_cut_and_the_supervisors_skill_and_merges_exactly(parsers):
-    """cut_counts: calls cut per role, graded answers cut, right answers among the uncut; the
-    record's counts summed across ranks equal one process's."""
+    """cut_counts: calls cut per role, prompts cut per role, graded answers cut, right answers
+    among the uncut; the record's counts summed across ranks equal one process's."""
     p = {"id": "p1", "prompt": "1+1", "source": "t", "answer": "2"}
     whole, cut = _call("generator", "generator", "\\boxed{2}"), _call("generator", "generator", "\\boxed{2} and")
-    cut.finished = False
+    cut.finished, whole.prompt_cut = False, True
     eps = [Episode(p, 0, [whole], final_text=whole.text, reward=1.0),
            Episode(p, 1, [cut], final_text=cut.text, reward=0.0),
            Episode(p, 2, [_call("generator", "generator", "\\boxed{5}")], final_text="\\boxed{5}", reward=0.0)]
-    assert ev.cut_counts(eps) == {"cut": {"generator": 1}, "graded_cut": 1, "uncut_correct": 1}
+    assert ev.cut_counts(eps) == {"cut": {"generator": 1}, "prompt_cut": {"generator": 1}, "graded_cut": 1,
+                                  "uncut_correct": 1}
     rec = lambda c, g, u, s: {"step": 3, "acc": 0.5, "n": 2, "parse_fail": {}, "len": {}, "code_block_rate": {},  # noqa: E731
-                              "calls": {"generator": 2}, "cut": c, "graded_cut": g, "uncut_correct": u, "skill": s}
+                              "calls": {"generator": 2}, "cut": c, "prompt_cut": c, "graded_cut": g,
+                              "uncut_correct": u, "skill": s}
     merged = ev.merge_records([rec({"generator": 1}, 1, 0, {"aggregator": {"picked": 1, "candidates": 6}}),
-                               rec({}, 0, 1, {"aggregator": {"picked": 0, "candidates": 6}})])
-    assert (merged["cut"], merged["graded_cut"], merged["uncut_correct"]) == ({"generator": 1}, 1, 1)
+                               rec({"generator": 2}, 0, 1, {"aggregator": {"picked": 0, "candidates": 6}})])
+    assert (merged["cut"], merged["graded_cut"], merged["uncut_correct"]) == ({"generator": 3}, 1, 1)
+    assert merged["prompt_cut"] == {"generator": 3}
     assert merged["skill"] == {"aggregator": {"candidates": 12, "picked": 1}} and merged["acc"] == 0.5
 
 

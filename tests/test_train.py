@@ -470,3 +470,18 @@ def close(a, b, path=""):
     if isinstance(a, float) and "logprob_gap" in path.rsplit("/", 1)[-1]:
         return abs(a - b) <= 1e-5
     return a == b
+
+
+def test_prompts_cut_at_the_limit_are_logged_per_role_and_said_once(model_dir, tmp_path, capsys):
+    """A cut prompt keeps its end, so the role loses its instruction and problem first: every
+    step logs the share per role, the evaluations the counts, and the first cut says so."""
+    out = tmp_path / "run"
+    train.main(argv(model_dir, out, "--workflow", "voting", "--max-prompt-tokens", "40"))
+    notes = [line for line in capsys.readouterr().err.splitlines() if "prompts cut at --max-prompt-tokens 40" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: step 1: ") and "aggregator 100%" in notes[0] and "generator" not in notes[0]
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert all(m["roles"]["aggregator"]["prompt_cut"] == 1.0 for m in metrics)
+    assert all(e["prompt_cut"]["aggregator"] == e["calls"]["aggregator"] for e in read_jsonl(out / "eval.jsonl"))
+    train.main(argv(model_dir, tmp_path / "whole", "--workflow", "voting", "--steps", "1"))
+    assert "prompts cut" not in capsys.readouterr().err
+    assert read_jsonl(tmp_path / "whole" / "metrics.jsonl")[0]["roles"]["aggregator"]["prompt_cut"] == 0.0
