@@ -319,13 +319,15 @@ def mark_done(out):
 # ----------------------------------------------------------------------------- a step's records
 
 def log_transcripts(path, step, episodes, samples):
-    """Every call of a few episodes, with its reward and advantage."""
+    """Every call of a few episodes, with what it was paid (its episode's reward, or under
+    --credit own its own text's grade: grpo._paid) and its advantage."""
+    import grpo
     adv = {(s.problem_id, s.rollout, s.call): s.advantage for s in samples}
     for e in episodes:
         for i, c in enumerate(e.calls):
             log_jsonl(path, {"step": step, "problem_id": e.problem_id, "episode": e.rollout, "role": c.role,
                              "slot": c.slot, "prompt": c.messages[-1]["content"], "completion": c.text,
-                             "reward": e.reward, "advantage": adv.get((e.problem_id, e.rollout, i))})
+                             "reward": grpo._paid(e, c), "advantage": adv.get((e.problem_id, e.rollout, i))})
 
 
 def step_record(run, step, episodes, stats, times):

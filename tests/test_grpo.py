@@ -739,13 +739,19 @@ def _voting_episode(voter_texts, pick):
 
 @pytest.mark.parametrize("pick, paid", [(2, [1.0, 0.0, 0.0]),    # right voter, wrong pick: the voter is paid 1
                                         (1, [1.0, 0.0, 1.0])])   # right pick: the wrong voter is paid 0
-def test_credit_own_pays_each_voter_its_own_grade_and_the_aggregator_the_final(pick, paid):
+def test_credit_own_pays_each_voter_its_own_grade_and_the_aggregator_the_final(pick, paid, tmp_path):
+    import json
+
+    import runfolder
     import workflows
     ep, grade = _voting_episode(["\\boxed{5}", "\\boxed{4}"], pick)
     assert ep.reward == float(pick == 1)
     workflows.pay([ep], "own", grade)
-    assert [s.reward for s in grpo.samples_from_episodes([ep])] == paid   # generator0, generator1, aggregator
-    assert [s.slot for s in grpo.samples_from_episodes([ep])] == ["generator0", "generator1", "aggregator"]
+    samples = grpo.samples_from_episodes([ep])
+    assert [s.reward for s in samples] == paid   # generator0, generator1, aggregator
+    assert [s.slot for s in samples] == ["generator0", "generator1", "aggregator"]
+    runfolder.log_transcripts(tmp_path / "samples.jsonl", 1, [ep], samples)   # the transcript says what was paid
+    assert [json.loads(line)["reward"] for line in open(tmp_path / "samples.jsonl")] == paid
 
 
 @pytest.mark.parametrize("pick", [1, 2])
