@@ -286,16 +286,26 @@ def _check_reward(kind: TaskKind, problem: dict, r) -> None:
 
 def _note_all_zero(kind: TaskKind, texts: list, rewards: list) -> None:
     """One line on stderr when a kind's first graded batch was paid 0 throughout and none of its
-    answers parsed (`parse`; a kind without one: whether they parsed is not known)."""
+    answers parsed (`parse`; a kind without one: whether they parsed is not known), or when at
+    least ALL_ZERO_PARSED of them parsed and still none was paid (a hard start, or a reward that
+    compares unlike things: a parsed Fraction with the record's string)."""
     if any(rewards) or not texts:
         return
-    if kind.parse is not None and any(kind.parse(t) is not None for t in texts):
+    parsed = None if kind.parse is None else sum(kind.parse(t) is not None for t in texts)
+    check = "the instructions ask for what the reward reads"
+    if parsed is None:
+        why = "and it declares no parse=, so whether any parsed is not known"
+    elif parsed == 0:
+        why = "none of them parsed"
+    elif parsed >= ALL_ZERO_PARSED:
+        why, check = f"though {parsed} of them parsed", "the reward compares like with like (not a number with a string)"
+    else:
         return
-    why = ("none of them parsed" if kind.parse is not None else
-           "and it declares no parse=, so whether any parsed is not known")
     print(f"note: task kind {kind.name!r}: every one of the {len(texts)} answers graded first was paid 0, {why}; "
-          f"nothing is learned until some answer is paid: check that the instructions ask for what the reward reads",
-          file=sys.stderr)
+          f"nothing is learned until some answer is paid: check that {check}", file=sys.stderr)
+
+
+ALL_ZERO_PARSED = 16   # parsed answers in a first batch paid 0 throughout that _note_all_zero reports
 
 
 # ---------------------------------------------------------------------------------------

@@ -494,6 +494,12 @@ def test_a_first_batch_paid_nothing_with_nothing_parsed_says_so_once(registries,
     monkeypatch.setattr(taskkinds, "_LOOKED", set())
     assert taskkinds.score(["\\boxed{3}", "x"], problems[:2], "math") == [0.0, 0.0]   # one parsed, wrong: a start
     assert capsys.readouterr().err == ""
+    monkeypatch.setattr(taskkinds, "_LOOKED", set())   # 16 parsed and none paid: a hard start, or a broken reward
+    assert taskkinds.score(["\\boxed{3}"] * 16 + ["x"], problems[:1] * 17, "math") == [0.0] * 17
+    assert capsys.readouterr().err.splitlines() == [
+        "note: task kind 'math': every one of the 17 answers graded first was paid 0, though 16 of them parsed; "
+        "nothing is learned until some answer is paid: check that the reward compares like with like (not a number "
+        "with a string)"]
 
 
 # ----------------------------------------------------------------------------- sweep.py
