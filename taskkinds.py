@@ -265,6 +265,12 @@ def score(texts: list, problems: list, task: str) -> list[float]:
             results = list(ex.map(lambda pair: kind.reward(*pair), pairs))
     for (text, problem), r in zip(pairs, results):
         _check_reward(kind, problem, r)
+    partial = next(((p, r) for (_, p), r in zip(pairs, results) if 0 < r < 1), None)
+    if partial and task not in _PARTIAL:
+        _PARTIAL.add(task)
+        print(f"note: task kind {kind.name!r} pays partial credit ({float(partial[1]):g} for record "
+              f"{partial[0].get('id')!r}): training takes it as it is, but accuracy (eval.jsonl's acc, pass@k, "
+              f"the supervisors' skill) counts a reward above 0.5 as right", file=sys.stderr)
     verdict = dict(zip(first, results))
     rewards = [float(verdict[k]) for k in keys]
     if task not in _LOOKED:
@@ -274,6 +280,7 @@ def score(texts: list, problems: list, task: str) -> list[float]:
 
 
 _LOOKED: set = set()   # kinds whose first graded batch _note_all_zero has seen, in this process
+_PARTIAL: set = set()  # kinds whose partial credit (a reward strictly between 0 and 1) was noted
 
 
 def _check_reward(kind: TaskKind, problem: dict, r) -> None:

@@ -469,6 +469,17 @@ def test_a_reward_that_is_not_a_number_in_0_1_is_refused_naming_the_kind_and_rec
                             "make <lambda> return one")
 
 
+def test_partial_credit_is_taken_as_it_is_and_said_once_to_be_counted_right_above_one_half(
+        registries, monkeypatch, capsys):
+    monkeypatch.setattr(taskkinds, "_PARTIAL", set())
+    loud_kind(0.4)
+    for _ in range(2):
+        assert taskkinds.score(["a", "b"], [{"id": "r7"}, {"id": "r8"}], "loud") == [0.4, 0.4]
+    assert capsys.readouterr().err.splitlines() == [
+        "note: task kind 'loud' pays partial credit (0.4 for record 'r7'): training takes it as it is, but accuracy "
+        "(eval.jsonl's acc, pass@k, the supervisors' skill) counts a reward above 0.5 as right"]
+
+
 def test_a_nan_reward_ends_the_run_in_one_line_before_any_update(registries, model_dir, tmp_path, capsys):
     loud_kind(float("nan"))
     data = tmp_path / "loud.jsonl"
