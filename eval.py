@@ -745,15 +745,9 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def _parser():
+def _analyse_flags(p):
+    """eval.py --runs' flags: analysing run folders."""
     import analysis
-    import tasks
-    p = flags.Parser(
-        prog="eval.py", description="Evaluate a workflow (--workflow/--task/--scale, or --checkpoint) or analyse run folders (--runs).",
-        epilog=f"Outcomes: {analysis.OUTCOME_RULE}. Dips: {analysis.DIP_RULE}. Both --runs and --report write PNG plots (acc.png, grad.png, "
-               "length.png into each run folder; with --report also the map and per-cell figures next to the "
-               "report); --no-plots writes none. Run-folder format: docs/RUNFOLDER.md.",
-        formatter_class=_Help)
     a = p.add_argument_group("analyse run folders")
     a.add_argument("--runs", nargs="+", help="run folders written by train.py to analyse (writes PNG plots into them)")
     a.add_argument("--cliff-drop", type=float, default=analysis.CLIFF_DROP,
@@ -770,6 +764,18 @@ def _parser():
                    "against a config value (n-voters, toy-check, eval-rounds, max-workers) or `damping` (none, damp, "
                    "placebo), per lr")
     a.add_argument("--dose-figure", default=None, metavar="PNG", help="with --dose: draw it into this PNG")
+
+
+def _parser():
+    import analysis
+    import tasks
+    p = flags.Parser(
+        prog="eval.py", description="Evaluate a workflow (--workflow/--task/--scale, or --checkpoint) or analyse run folders (--runs).",
+        epilog=f"Outcomes: {analysis.OUTCOME_RULE}. Dips: {analysis.DIP_RULE}. Both --runs and --report write PNG plots (acc.png, grad.png, "
+               "length.png into each run folder; with --report also the map and per-cell figures next to the "
+               "report); --no-plots writes none. Run-folder format: docs/RUNFOLDER.md.",
+        formatter_class=_Help)
+    _analyse_flags(p)
     e = p.add_argument_group("evaluate a model or checkpoint (unset flags come from the checkpoint's run, else the default)")
     e.add_argument("--checkpoint", default=None, help="a run folder (its ckpt-best, else ckpt-last) or RUN/ckpt-N; "
                    "unset evaluates the base model")
@@ -795,7 +801,8 @@ def _parser():
     e.add_argument("--max-new-tokens", type=int, default=None, help="completion length limit per call (default: "
                    "tasks.length_limits: 48 at --scale toy, the paper's 5120 math / 2048 code)")
     e.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="prompt length limit per call (default: the checkpoint run's, else 400 at --scale toy, else none)")
+                   help="prompt length limit per call, 0 for none (default: the checkpoint run's, its none included, "
+                   "else 400 at --scale toy, else none)")
     e.add_argument("--max-embed-tokens", type=int, default=None,
                    help="tokens kept of a solution embedded in a later prompt (default: the checkpoint run's, "
                    "else none at --scale toy, else tasks.MAX_EMBED_TOKENS)")

@@ -65,6 +65,7 @@ graded answer, before anything is sampled). The same checks hold for every stage
 """
 import inspect
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -793,10 +794,12 @@ def _dry_run(workflow: str, task: str, table: dict, params: dict) -> None:
     prompts hold is fixed text alone, every line of which must be a phrase (an instruction, a
     header) or keep the phrase rules and be declared (_check_fixed). A workflow that fails on
     empty answers ends its dry run there, unchecked beyond; run_workflow still checks each of its
-    stages as it comes, and its books."""
-    fixed = {}
+    stages as it comes, and its books. One that returns without calling a role it declares says
+    so once (_note_uncalled)."""
+    fixed, called = {}, set()
 
     def llm(role, slots, messages_list, keys=None):
+        called.add(role)
         for messages in messages_list:
             for m in messages:
                 lines = str(m.get("content", "")).split("\n") if isinstance(m, dict) else []
@@ -811,8 +814,23 @@ def _dry_run(workflow: str, task: str, table: dict, params: dict) -> None:
     except Broken as e:
         raise ValueError(str(e)) from None
     except Exception:   # noqa: BLE001 -- the workflow's own limits on empty answers are not a refusal
-        pass
+        called = None
     _check_fixed(workflow, task, fixed)
+    if called is not None:
+        _note_uncalled(workflow, [role for role in table if role not in called])
+
+
+_UNCALLED: set = set()   # workflows whose uncalled roles were noted, in this process
+
+
+def _note_uncalled(workflow: str, roles: list) -> None:
+    """A role declared and never called trains nothing: under isolated its adapter gets no rows
+    (with one role left called, the run is Shared's). Said once: the dry run is every step's."""
+    if roles and workflow not in _UNCALLED:
+        _UNCALLED.add(workflow)
+        print(f"note: workflow {workflow!r} declares {', '.join(map(repr, roles))} but its dry run (empty answers) "
+              f"never called {'it' if len(roles) == 1 else 'them'}: a role no run calls trains nothing, and under "
+              f"--sharing isolated its adapter gets no rows", file=sys.stderr)
 
 
 def _check_fixed(workflow: str, task: str, fixed: dict) -> None:

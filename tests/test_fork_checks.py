@@ -366,6 +366,23 @@ def test_a_workflows_own_random_draws_repeat_with_the_seed_and_leave_the_global_
     assert torch.equal(torch.get_rng_state(), before[2])
 
 
+def test_a_role_declared_and_never_called_is_said_once(registries, monkeypatch, capsys):
+    """Under isolated such a role's adapter trains on nothing, and the Shared-Isolated contrast
+    the sweep builds for it means less than it seems."""
+    monkeypatch.setattr(W, "_UNCALLED", set())
+
+    def alone(episodes, llm, task):     # an aggregator declared, never asked
+        for ep, call in zip(episodes, W.stage(llm, task, "generator", episodes)):
+            ep.final_text = call.text
+    W.register("alone", alone, {"generator": "generator", "aggregator": "aggregator"})
+    W.check_run("alone", "math")
+    W.check_run("alone", "math")
+    W.check_run("voting", "math")
+    assert capsys.readouterr().err.splitlines() == [
+        "note: workflow 'alone' declares 'aggregator' but its dry run (empty answers) never called it: a role no run "
+        "calls trains nothing, and under --sharing isolated its adapter gets no rows"]
+
+
 def test_a_key_that_leaves_out_the_problem_grades_each_problem_apart(registries):
     """A coarser key= (the boxed answer alone) must not pay one problem's grade to another."""
     graded = []
