@@ -210,6 +210,15 @@ def _chosen(ep, call, candidates, parse_choice):
     return None
 
 
+def _shown(call, written: list) -> list:
+    """The generator texts an aggregator call was shown: as many of the latest as its prompt
+    numbers solutions (SOLUTION_HEADERS lines), so a fork whose voters answer twice is judged on
+    the answers its aggregator read; all of them when its prompt numbers none."""
+    lines = {line.strip() for m in call.messages if isinstance(m, dict) for line in str(m.get("content", "")).split("\n")}
+    n = sum(h in lines for h in workflows.SOLUTION_HEADERS)
+    return written[-n:] if 0 < n <= len(written) else written
+
+
 def _majority(candidates: list, key) -> int:
     """Index of the plurality answer among `candidates` (texts with one task key get one grade),
     ties going to the answer that came first, as the aggregator's own fallback takes voter 1."""
@@ -222,16 +231,18 @@ def _aggregator_quality(episodes: list, correct, parse_choice, key) -> dict | No
     """The aggregator's pick against three references over the same candidates: a uniformly
     random pick (right with the share of candidates that are right: `random_pick_acc` sums the
     right candidates over all candidates, which is that expectation when every call has as many,
-    as in Voting), the majority vote by the task's key, and the oracle (some candidate right)."""
+    as in Voting), the majority vote by the task's key, and the oracle (some candidate right).
+    The candidates are the generator calls the aggregator was shown (_shown)."""
     c = Counter()
     for ep in episodes:
-        candidates = []
+        written = []
         for call in ep.calls:
             if call.role == "generator":
-                candidates.append(call.text)
+                written.append(call.text)
             if call.role != "aggregator":
                 continue
             c["calls"] += 1
+            candidates = _shown(call, written)
             chosen = _chosen(ep, call, candidates, parse_choice)
             if chosen is None or not candidates:
                 continue

@@ -191,6 +191,21 @@ def test_the_aggregators_pick_against_a_random_pick_the_majority_and_the_oracle(
                            "right_candidates": 4, "candidates": 12}
 
 
+def test_the_aggregators_candidates_are_the_answers_its_prompt_numbered(parsers):
+    """A fork whose voters answer twice (the second time after reading the first answers): the
+    aggregator is judged against the three answers it read, not all six."""
+    p = {"id": "p1", "prompt": "1+1", "source": "t", "answer": "2"}
+    right, wrong = "so \\boxed{2}", "so \\boxed{3}"
+    second = [right, wrong, right]
+    agg = _call("aggregator", "aggregator", "\\boxed{1}")
+    agg.messages = [{"role": "user", "content": "\n".join(workflows._numbered(second))}]
+    ep = Episode(p, 0, [_call("generator", f"generator{j}", wrong) for j in range(3)]
+                 + [_call("generator", f"generator{j}", t) for j, t in enumerate(second)] + [agg], final_text=right)
+    counts = ev.role_quality([ep], "math")["aggregator"]["counts"]
+    assert counts == {"resolved": 1, "picked": 1, "majority": 1, "with_correct": 1, "right_candidates": 2,
+                      "candidates": 3}
+
+
 def test_an_evaluation_record_counts_what_the_cap_cut_and_the_supervisors_skill_and_merges_exactly(parsers):
     """cut_counts: calls cut per role, prompts cut per role, graded answers cut, right answers
     among the uncut; the record's counts summed across ranks equal one process's."""
