@@ -28,7 +28,8 @@ SCALE_DEFAULTS = {
 # 1e-6 is the usual full-parameter GRPO rate at real scales)
 LR = {"lora": (1e-3, 2e-5), "full": (1e-4, 1e-6)}
 # flags that may change on --resume: the rest of the saved configuration wins
-RESUMABLE = ("resume", "steps", "device", "quiet", "log_to", "kv_budget_gb", "cuda_graphs", "sampler")
+RESUMABLE = ("resume", "steps", "device", "quiet", "log_to", "kv_budget_gb", "cuda_graphs", "sampler",
+             "grad_checkpointing")   # the same gradient bit for bit: a run killed for memory resumes with it on
 
 
 def scale_default(name):

@@ -74,7 +74,11 @@ real_voting() {
 Q="--problems-per-step 4 --group-size 8 --steps 48 --eval-every 6 --eval-problems 0 --lr 1e-4 --warmup-steps 2
    --lora-rank 16 --grad-checkpointing off --device cpu"
 q_study() {   # seed $1, each cell in turn; Eval-Opt at one evaluator round (docs/RESULTS.md, Q: its pilot)
-  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single voting --seeds $1 --out runs/q -- $Q
+  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single voting --sharings shared --seeds $1 --out runs/q -- $Q
+  # Voting / Isolated from seed 1 on with gradient checkpointing, the same numbers bit for bit (analysis.SAME_RUN):
+  # its aggregator's own mini-batch of 32 prompts, three answers each, kept 17 GB of activations without it
+  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows voting --sharings isolated --seeds $1 --out runs/q -- $Q \
+    $([ "$1" = 0 ] || echo --grad-checkpointing on)
   python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows eval_opt --seeds $1 --out runs/q -- $Q --eval-rounds 1
 }
 parts=("$@")

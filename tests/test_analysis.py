@@ -457,7 +457,8 @@ def test_runs_that_differ_in_more_than_the_seed_are_cells_apart(tmp_path, capsys
     # cells, the intervention's labelled by what differs; the map and tables keep them apart
     base = {"kl_coef_role": {}, "coherence_damp": {}, "lr": 2e-3, "out": "a", "device": "cpu"}
     write_run(tmp_path, "base-s0", [0.5, 0.6, 0.7], config=base)
-    write_run(tmp_path, "base-s1", [0.5, 0.62, 0.69], config={**base, "seed": 1, "out": "b", "kv_budget_gb": 1.0})
+    write_run(tmp_path, "base-s1", [0.5, 0.62, 0.69], config={**base, "seed": 1, "out": "b", "kv_budget_gb": 1.0,
+                                                              "grad_checkpointing": "on"})
     write_run(tmp_path, "kl-s0", [0.5, 0.4, 0.3], config={**base, "kl_coef_role": {"aggregator": 0.1},
                                                            "coherence_damp": {"generator": 0.5}})
     summaries, _ = ev.analyse_runs([str(tmp_path / n) for n in ("base-s0", "base-s1", "kl-s0")], plots=False, quiet=True)
