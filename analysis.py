@@ -562,7 +562,7 @@ CELL_KEYS = ("workflow", "task", "scale", "sharing", "lr", "variant")
 # flags that do not change what a run computes: runs differing only in these (and the seed)
 # are seeds of one cell; any other difference makes another cell (its `variant`)
 SAME_RUN = ("seed", "out", "resume", "device", "quiet", "log_to", "kv_budget_gb", "max_rows", "cuda_graphs", "sampler", "samples_every",
-            "save_every", "grad_checkpointing")   # checkpointing recomputes the same forward: the same gradient, bit for bit on a CPU
+            "save_every", "grad_checkpointing")   # checkpointing: the same gradient, bit for bit on a CPU
 CELL_CONFIG = ("workflow", "task", "data", "scale", "sharing", "lr")   # in the cell key already
 
 

@@ -214,7 +214,8 @@ def _shown(call, written: list) -> list:
     """The generator texts an aggregator call was shown: as many of the latest as its prompt
     numbers solutions (SOLUTION_HEADERS lines), so a fork whose voters answer twice is judged on
     the answers its aggregator read; all of them when its prompt numbers none."""
-    lines = {line.strip() for m in call.messages if isinstance(m, dict) for line in str(m.get("content", "")).split("\n")}
+    lines = {line.strip() for m in call.messages if isinstance(m, dict)
+             for line in str(m.get("content", "")).split("\n")}
     n = sum(h in lines for h in workflows.SOLUTION_HEADERS)
     return written[-n:] if 0 < n <= len(written) else written
 
@@ -358,7 +359,8 @@ def cut_counts(episodes: list) -> dict:
     cut = Counter(c.role for ep in episodes for c in ep.calls if not c.finished)
     prompt_cut = Counter(c.role for ep in episodes for c in ep.calls if getattr(c, "prompt_cut", False))
     graded_cut = [not getattr(_graded_call(ep), "finished", True) for ep in episodes]
-    return {"cut": dict(sorted(cut.items())), "prompt_cut": dict(sorted(prompt_cut.items())), "graded_cut": sum(graded_cut),
+    return {"cut": dict(sorted(cut.items())), "prompt_cut": dict(sorted(prompt_cut.items())),
+            "graded_cut": sum(graded_cut),
             "uncut_correct": sum(ep.reward > 0.5 for ep, g in zip(episodes, graded_cut) if not g)}
 
 
@@ -636,7 +638,8 @@ def _evaluate_cli(args):
             print(n, file=sys.stderr)
     res = evaluate(llm, st["workflow"], problems, st["task"], samples=args.samples, batch_size=st["batch_size"],
                    progress=not (args.json or args.quiet), stream=st["stream"], **st["params"])
-    res.update(scale=st["scale"], checkpoint=st["checkpoint"], data=st["data"], temperature=st["temperature"], top_p=st["top_p"],
+    res.update(scale=st["scale"], checkpoint=st["checkpoint"], data=st["data"], temperature=st["temperature"],
+               top_p=st["top_p"],
                seed=st["seed"], stream=list(st["stream"]), instruction=args.instruction,
                sharing=st["sharing"], isolation=st["isolation"], max_new_tokens=st["max_new_tokens"],
                max_prompt_tokens=st["max_prompt_tokens"])

@@ -298,7 +298,8 @@ def make_llm(policy, *, sampler=None, temperature: float = 0.7, top_p: float = 1
             out = sampler(model, prompts, max_new_tokens, stops, tok.pad_token_id, temperature=temperature,
                           top_p=top_p, seed=seed, keys=[seeds.key(*k) if isinstance(k, tuple) else seeds.key(k)
                                                         for k in keys])
-        return [_call(role, slots[i], messages_list[i], ids, out, i, tok, rendered[i][1]) for i, ids in enumerate(prompts)]
+        return [_call(role, slots[i], messages_list[i], ids, out, i, tok, rendered[i][1])
+                for i, ids in enumerate(prompts)]
 
     llm.stats, llm.seed = stats, seed
     llm.clip = make_clip(tok, max_embed_tokens)   # workflows.py shortens embedded texts with it

@@ -305,7 +305,8 @@ def _note_all_zero(kind: TaskKind, texts: list, rewards: list) -> None:
     elif parsed == 0:
         why = "none of them parsed"
     elif parsed >= ALL_ZERO_PARSED:
-        why, check = f"though {parsed} of them parsed", "the reward compares like with like (not a number with a string)"
+        why = f"though {parsed} of them parsed"
+        check = "the reward compares like with like (not a number with a string)"
     else:
         return
     print(f"note: task kind {kind.name!r}: every one of the {len(texts)} answers graded first was paid 0, {why}; "

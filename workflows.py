@@ -767,7 +767,8 @@ def _check_books(workflow: str, episodes: list[Episode], rows: int, before: int)
                      f"answers)")
     paid = next((c for ep in episodes for c in ep.calls if c.reward is not None), None)
     if paid is not None:
-        raise Broken(f"workflow {workflow!r} set the reward of a {paid.role} call ({taskkinds.shortened(paid.reward)}); "
+        raise Broken(f"workflow {workflow!r} set the reward of a {paid.role} call "
+                     f"({taskkinds.shortened(paid.reward)}); "
                      f"calls are paid once graded (their episode's reward, or under --credit own their own text's "
                      f"grade: workflows.pay), so leave Call.reward unset and grade in a task kind's reward")
     _check_own_answers(workflow, episodes)

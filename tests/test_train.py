@@ -480,7 +480,8 @@ def test_prompts_cut_at_the_limit_are_logged_per_role_and_said_once(model_dir, t
     out = tmp_path / "run"
     train.main(argv(model_dir, out, "--workflow", "voting", "--max-prompt-tokens", "40"))
     notes = [line for line in capsys.readouterr().err.splitlines() if "prompts cut at --max-prompt-tokens 40" in line]
-    assert len(notes) == 1 and notes[0].startswith("note: step 1: ") and "aggregator 100%" in notes[0] and "generator" not in notes[0]
+    assert len(notes) == 1 and notes[0].startswith("note: step 1: ")
+    assert "aggregator 100%" in notes[0] and "generator" not in notes[0]
     metrics = read_jsonl(out / "metrics.jsonl")
     assert all(m["roles"]["aggregator"]["prompt_cut"] == 1.0 for m in metrics)
     assert all(e["prompt_cut"]["aggregator"] == e["calls"]["aggregator"] for e in read_jsonl(out / "eval.jsonl"))
