@@ -15,9 +15,9 @@ Evaluate a base model or a checkpoint through a workflow on a test split:
 - The test set: the whole test split of the data, or the run's own evaluation set (its
   --eval-problems) for a checkpoint; `--problems N` draws N (capped at the split's size).
 - Sampling at the run's temperature and top-p (the paper's 0.7 and 1 without a run),
-  `--samples` episodes per problem. pass@1 is the mean over problems of c/n; pass@k is the unbiased estimator
-  1 - C(n-c, k) / C(n, k) averaged over problems (n episodes, c correct), reported for
-  k = 1, 2, 4, ... up to n.
+  `--samples` episodes per problem. pass@1 is the mean over problems of c/n; pass@k is the
+  unbiased estimator 1 - C(n-c, k) / C(n, k) averaged over problems (n episodes, c correct),
+  reported for k = 1, 2, 4, ... up to n.
 - Per-role quality where the task gives ground truth (every judged or candidate solution is
   scored with taskkinds.score):
   * evaluator: a verdict "Correct" counts as a positive; precision = P(solution correct |
