@@ -357,7 +357,7 @@ def cut_counts(episodes: list) -> dict:
     the others, "prompt_cut": {role: calls whose prompt lost its start}}. Rates: cut / calls,
     and uncut_correct / (n - graded_cut) is the accuracy among the answers the cap left whole."""
     cut = Counter(c.role for ep in episodes for c in ep.calls if not c.finished)
-    prompt_cut = Counter(c.role for ep in episodes for c in ep.calls if getattr(c, "prompt_cut", False))
+    prompt_cut = Counter(c.role for ep in episodes for c in ep.calls if c.prompt_cut)
     graded_cut = [not getattr(_graded_call(ep), "finished", True) for ep in episodes]
     return {"cut": dict(sorted(cut.items())), "prompt_cut": dict(sorted(prompt_cut.items())),
             "graded_cut": sum(graded_cut),
@@ -500,9 +500,10 @@ def resolve_settings(args) -> tuple:
     default_new, default_prompt, default_embed = tasks.length_limits(st["scale"], st["task"])
     st["max_new_tokens"] = st["max_new_tokens"] or default_new
     for k, default in (("max_prompt_tokens", default_prompt), ("max_embed_tokens", default_embed)):
-        # a run's null is its "no limit" (train.py's 0), not "unset"; the flag's 0 is the same
-        st[k] = None if getattr(args, k) == 0 or (getattr(args, k) is None and k in cfg and cfg[k] is None) \
-            else st[k] or default
+        given = getattr(args, k)
+        # the flag's 0 is "no limit", and so is a run's null (train.py saves its 0 so), not "unset"
+        unlimited = given == 0 or (given is None and k in cfg and cfg[k] is None)
+        st[k] = None if unlimited else st[k] or default
     taken = [k for k in (*RUN_SETTINGS, "data") if cfg.get(k) is not None and getattr(args, k) is None]
     if taken:
         notes.append(f"from {os.path.join(run_dir, 'config.json')}: " + ", ".join(f"{k} {st[k]}" for k in taken))

@@ -137,8 +137,9 @@ def _optimisation_flags(g):
                    "toy, %g LoRA / %g full otherwise)" % (*LR["lora"][:1], *LR["full"][:1], LR["lora"][1], LR["full"][1]))
     g.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up, then cosine to 0" + scale_default("warmup_steps"))
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: %(default)s)")
-    g.add_argument("--mini-batch", type=int, default=None, help="at most this many sequences per optimizer step (an adapter's rows cut into near-equal mini-batches), "
-                   "at least 1 (default: problems-per-step x group-size, the paper's 512)")
+    g.add_argument("--mini-batch", type=int, default=None, help="at most this many sequences per optimizer step (an "
+                   "adapter's rows cut into near-equal mini-batches), at least 1 (default: problems-per-step x "
+                   "group-size, the paper's 512)")
     g.add_argument("--token-budget", type=int, default=None, help="tokens per micro-batch (each row's own when packed, rows x padded "
                    "length otherwise), at least one row at the length limits" + scale_default("token_budget"))
     g.add_argument("--grad-checkpointing", default="auto", choices=["auto", "on", "off"],

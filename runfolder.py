@@ -386,11 +386,12 @@ def log_step(run, step, m, episodes, samples):
         return
     args = run.args
     cut = {r: q["prompt_cut"] for r, q in m["roles"].items() if q.get("prompt_cut")}
-    if cut and not getattr(run, "noted_prompt_cut", False):
-        run.noted_prompt_cut = True
-        print(f"note: step {step}: prompts cut at --max-prompt-tokens {args.max_prompt_tokens}, keeping their ends: "
-              + ", ".join(f"{r} {v:.0%}" for r, v in cut.items()) + "; metrics.jsonl logs it per role (prompt_cut)"
-              + " every step; raise --max-prompt-tokens or lower --max-embed-tokens", file=sys.stderr)
+    if cut:
+        import taskkinds
+        taskkinds.note_once(("prompt_cut", args.out), f"note: step {step}: prompts cut at --max-prompt-tokens "
+                            f"{args.max_prompt_tokens}, keeping their ends: "
+                            + ", ".join(f"{r} {v:.0%}" for r, v in cut.items()) + "; metrics.jsonl logs it per "
+                            "role (prompt_cut) every step; raise --max-prompt-tokens or lower --max-embed-tokens")
     log_jsonl(run.files["metrics"], m)
     if run.tracker is not None:
         run.tracker.log(m, step)

@@ -246,9 +246,9 @@ def kind_of(record: dict) -> str:
 def score(texts: list, problems: list, task: str) -> list[float]:
     """Rewards of a batch: texts[i] graded against problems[i] by the task kind's reward. Pairs
     of one problem (its id) with equal keys are graded once (so a key that leaves out the
-    problem cannot pay one problem's grade to another); kind.workers(pairs) of the distinct pairs at a time (the
-    code reward's sandbox workers and the math reward's sympy checks are processes, so threads
-    overlap them)."""
+    problem cannot pay one problem's grade to another); kind.workers(pairs) of the distinct
+    pairs at a time (the code reward's sandbox workers and the math reward's sympy checks are
+    processes, so threads overlap them)."""
     if len(texts) != len(problems):
         raise ValueError(f"score: {len(texts)} texts for {len(problems)} problems")
     kind = get(task)
@@ -265,12 +265,7 @@ def score(texts: list, problems: list, task: str) -> list[float]:
             results = list(ex.map(lambda pair: kind.reward(*pair), pairs))
     for (text, problem), r in zip(pairs, results):
         _check_reward(kind, problem, r)
-    partial = next(((p, r) for (_, p), r in zip(pairs, results) if 0 < r < 1), None)
-    if partial and task not in _PARTIAL:
-        _PARTIAL.add(task)
-        print(f"note: task kind {kind.name!r} pays partial credit ({float(partial[1]):g} for record "
-              f"{partial[0].get('id')!r}): training takes it as it is, but accuracy (eval.jsonl's acc, pass@k, "
-              f"the supervisors' skill) counts a reward above 0.5 as right", file=sys.stderr)
+    _note_partial(kind, [p for _, p in pairs], results)
     verdict = dict(zip(first, results))
     rewards = [float(verdict[k]) for k in keys]
     if task not in _LOOKED:
@@ -280,7 +275,16 @@ def score(texts: list, problems: list, task: str) -> list[float]:
 
 
 _LOOKED: set = set()   # kinds whose first graded batch _note_all_zero has seen, in this process
-_PARTIAL: set = set()  # kinds whose partial credit (a reward strictly between 0 and 1) was noted
+ALL_ZERO_PARSED = 16   # parsed answers in a first batch paid 0 throughout that _note_all_zero reports
+_NOTED: set = set()    # the keys note_once has printed for, in this process
+
+
+def note_once(key, text: str) -> None:
+    """`text` on stderr the first time this process is given `key` (a note that every step or
+    batch would otherwise repeat)."""
+    if key not in _NOTED:
+        _NOTED.add(key)
+        print(text, file=sys.stderr)
 
 
 def _check_reward(kind: TaskKind, problem: dict, r) -> None:
@@ -313,7 +317,13 @@ def _note_all_zero(kind: TaskKind, texts: list, rewards: list) -> None:
           f"nothing is learned until some answer is paid: check that {check}", file=sys.stderr)
 
 
-ALL_ZERO_PARSED = 16   # parsed answers in a first batch paid 0 throughout that _note_all_zero reports
+def _note_partial(kind: TaskKind, problems: list, rewards: list) -> None:
+    """Once per kind: it pays partial credit, which accuracy counts as right above 0.5."""
+    partial = next(((p, r) for p, r in zip(problems, rewards) if 0 < r < 1), None)
+    if partial:
+        note_once(("partial", kind.name), f"note: task kind {kind.name!r} pays partial credit ({float(partial[1]):g} "
+                  f"for record {partial[0].get('id')!r}): training takes it as it is, but accuracy (eval.jsonl's "
+                  f"acc, pass@k, the supervisors' skill) counts a reward above 0.5 as right")
 
 
 # ---------------------------------------------------------------------------------------

@@ -65,7 +65,6 @@ graded answer, before anything is sampled). The same checks hold for every stage
 """
 import inspect
 import re
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -782,10 +781,10 @@ def _check_own_answers(workflow: str, episodes: list[Episode]) -> None:
         for c in ep.calls:
             writers.setdefault(c.text, set()).add(i)
     for i, ep in enumerate(episodes):
-        others = writers.get(ep.final_text, {i}) - {i}
-        if ep.final_text and others and i not in writers[ep.final_text]:
+        wrote = writers.get(ep.final_text, set())
+        if ep.final_text and wrote and i not in wrote:
             raise Broken(f"workflow {workflow!r} graded episode {i} (problem {ep.problem.get('id')!r}, rollout "
-                         f"{ep.rollout}) on the text of a call of episode {min(others)}, and of none of its own; set "
+                         f"{ep.rollout}) on the text of a call of episode {min(wrote)}, and of none of its own; set "
                          f"each episode's final_text from its own calls (an index slip?)")
 
 
@@ -821,17 +820,14 @@ def _dry_run(workflow: str, task: str, table: dict, params: dict) -> None:
         _note_uncalled(workflow, [role for role in table if role not in called])
 
 
-_UNCALLED: set = set()   # workflows whose uncalled roles were noted, in this process
-
-
 def _note_uncalled(workflow: str, roles: list) -> None:
     """A role declared and never called trains nothing: under isolated its adapter gets no rows
     (with one role left called, the run is Shared's). Said once: the dry run is every step's."""
-    if roles and workflow not in _UNCALLED:
-        _UNCALLED.add(workflow)
-        print(f"note: workflow {workflow!r} declares {', '.join(map(repr, roles))} but its dry run (empty answers) "
-              f"never called {'it' if len(roles) == 1 else 'them'}: a role no run calls trains nothing, and under "
-              f"--sharing isolated its adapter gets no rows", file=sys.stderr)
+    if roles:
+        taskkinds.note_once(("uncalled", workflow), f"note: workflow {workflow!r} declares "
+                            f"{', '.join(map(repr, roles))} but its dry run (empty answers) never called "
+                            f"{'it' if len(roles) == 1 else 'them'}: a role no run calls trains nothing, and under "
+                            f"--sharing isolated its adapter gets no rows")
 
 
 def _check_fixed(workflow: str, task: str, fixed: dict) -> None:

@@ -369,7 +369,7 @@ def test_a_workflows_own_random_draws_repeat_with_the_seed_and_leave_the_global_
 def test_a_role_declared_and_never_called_is_said_once(registries, monkeypatch, capsys):
     """Under isolated such a role's adapter trains on nothing, and the Shared-Isolated contrast
     the sweep builds for it means less than it seems."""
-    monkeypatch.setattr(W, "_UNCALLED", set())
+    monkeypatch.setattr(taskkinds, "_NOTED", set())
 
     def alone(episodes, llm, task):     # an aggregator declared, never asked
         for ep, call in zip(episodes, W.stage(llm, task, "generator", episodes)):
@@ -488,7 +488,7 @@ def test_a_reward_that_is_not_a_number_in_0_1_is_refused_naming_the_kind_and_rec
 
 def test_partial_credit_is_taken_as_it_is_and_said_once_to_be_counted_right_above_one_half(
         registries, monkeypatch, capsys):
-    monkeypatch.setattr(taskkinds, "_PARTIAL", set())
+    monkeypatch.setattr(taskkinds, "_NOTED", set())
     loud_kind(0.4)
     for _ in range(2):
         assert taskkinds.score(["a", "b"], [{"id": "r7"}, {"id": "r8"}], "loud") == [0.4, 0.4]
