@@ -39,7 +39,6 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import gguf_models
-import packed
 
 HUB_IDS = {"0.6b": "Qwen/Qwen3-0.6B", "1.7b": "Qwen/Qwen3-1.7B", "4b": "Qwen/Qwen3-4B"}
 
@@ -193,6 +192,7 @@ def checkpointing_plan(model, token_budget: int):
     """(checkpoint or not, one line why) for `--grad-checkpointing auto`: off where a full
     micro-batch's activations (`activation_bytes`) fit in ACTIVATION_SHARE of the memory free
     after loading (the device's, or the host's on a CPU), on otherwise."""
+    import packed   # here, not at the top: flags.check_args (sweep.py's too) imports this module, not transformers
     p = next(model.parameters())
     need = activation_bytes(model.config, token_budget, p.element_size(),
                             repeated_kv=not packed.gqa_kernel(p.device, p.dtype))

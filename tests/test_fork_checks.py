@@ -615,9 +615,10 @@ register_task("count", count_reward, check=check_count, parse=rewards.last_numbe
 # name: test_train, test_toy, test_sampler, test_parallel, test_cudagraphs, test_grpo,
 # test_policies, test_peft, test_tracking, test_runfolder, test_real_model, test_sandbox,
 # test_gguf_models, test_intervals. The whole suite on a fork: FORK_SUITE=all.
-FORK_SUITE = ("test_workflows", "test_forking", "test_fork_checks", "test_arith", "test_sweep", "test_flags",
-              "test_analysis", "test_plots", "test_eval", "test_tasks", "test_rewards", "test_knobs", "test_imports",
-              "test_readme", "test_results")
+FORK_SUITE = (("test_plots", "test_imports", "test_readme", "test_results", "test_workflows", "test_forking",
+               "test_fork_checks", "test_arith"),
+              ("test_eval", "test_sweep", "test_analysis", "test_tasks", "test_rewards", "test_knobs", "test_flags"))
+# (in two halves of about equal minutes, run side by side: one thread each, on two cores)
 # Left out of the subset too, for time (two thirds of its minutes): sweep.py's children's lives
 # (a failing cell, Ctrl-C, a kill, a relative --out), which train the built-in cells they name
 # and read no other registration.
@@ -659,9 +660,13 @@ def test_a_fork_with_the_readmes_examples_and_names_of_its_own_keeps_the_suite_g
     assert [line.split(":")[0] + ":" + line.split(":")[1] for line in swept.stderr.splitlines()] == [
         "sweep: leaving out --task word", "sweep: leaving out --task count"], swept.stderr
     whole = os.environ.get("FORK_SUITE") == "all"
-    files = [] if whole else [f"tests/{name}.py" for name in FORK_SUITE]
+    halves = [[]] if whole else [[f"tests/{name}.py" for name in half] for half in FORK_SUITE]
     skip = [] if whole else [x for name in FORK_SKIP for x in ("--deselect", f"tests/test_sweep.py::{name}")]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files, *skip,
-                           "--deselect", f"tests/test_fork_checks.py::{sys._getframe().f_code.co_name}"],
-                          cwd=copy, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    skip += ["--deselect", f"tests/test_fork_checks.py::{sys._getframe().f_code.co_name}"]
+    runs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files, *skip,
+                              "--basetemp", str(tmp_path / f"half{i}")],
+                             cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i, files in enumerate(halves)]
+    outs = [run.communicate()[0] for run in runs]
+    for run, out in zip(runs, outs):
+        assert run.returncode == 0, out[-5000:]

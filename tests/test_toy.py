@@ -587,14 +587,15 @@ def test_the_build_is_the_same_model_with_one_and_two_threads(tmp_path):
     one under 1 thread and one under 2, write the same weights bit for bit."""
     warm = json.dumps({"steps": 6, "batch": 24})
     code = "import torch, sys, toy; torch.set_num_threads(int(sys.argv[1])); print(toy.model_folder('math', quiet=True))"
+    builds = [subprocess.Popen([sys.executable, "-c", code, threads], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": threads, "MARL_TOY_WARM": warm,
+                                    "PYTHONPATH": ROOT, "MARL_CACHE": str(tmp_path / threads)})
+              for threads in ("1", "2")]   # side by side, each into a cache of its own
     digests = []
-    for threads in ("1", "2"):
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "MARL_TOY_WARM": warm, "PYTHONPATH": ROOT,
-               "MARL_CACHE": str(tmp_path / threads)}
-        out = subprocess.run([sys.executable, "-c", code, threads], cwd=ROOT, env=env, capture_output=True,
-                             text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-1500:]
-        digests.append(runfolder.file_sha256(os.path.join(out.stdout.strip(), "model.safetensors")))
+    for build, (out, err) in zip(builds, [build.communicate(timeout=300) for build in builds]):
+        assert build.returncode == 0, err[-1500:]
+        digests.append(runfolder.file_sha256(os.path.join(out.strip(), "model.safetensors")))
     assert digests[0] is not None and digests[0] == digests[1]
 
 
