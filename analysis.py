@@ -300,7 +300,11 @@ def eval_rates(rec: dict) -> dict:
     - the evaluator's verdicts against the grade of the attempt each judged: "verdict accuracy",
       "false accept" (Correct on a wrong attempt, of the wrong ones), "false reject" (Incorrect
       on a right one, of the right ones), over the calls that gave a verdict; "verdicts", the
-      share of its calls that gave one (a missing verdict counts as Incorrect in the workflow)."""
+      share of its calls that gave one (a missing verdict counts as Incorrect in the workflow);
+      "accepts", the share of its calls that said Correct, and "decision J", Youden's J of the
+      workflow's gate (accept on Correct, revise otherwise) over every attempt judged, from -1
+      to 1: 0 for a gate that ignores the grade (None where the record lacks the attempts'
+      grades, or all were right or all wrong)."""
     calls, a, e = rec.get("calls") or {}, (rec.get("skill") or {}).get("aggregator"), (rec.get("skill") or {}).get("evaluator")
     cut = rec.get("cut")
     out = {"cut": {r: _ratio((cut or {}).get(r, 0), c) for r, c in calls.items()} if isinstance(cut, dict) else None,
@@ -315,12 +319,23 @@ def eval_rates(rec: dict) -> dict:
     out.update({"verdict accuracy": _ratio((tp or 0) + (tn or 0), sum(x or 0 for x in (tp, fp, fn, tn))) if e else None,
                 "false accept": _ratio(fp, (fp or 0) + (tn or 0)) if e else None,
                 "false reject": _ratio(fn, (fn or 0) + (tp or 0)) if e else None,
-                "verdicts": _ratio(sum(x or 0 for x in (tp, fp, fn, tn)), e.get("calls")) if e else None})
+                "verdicts": _ratio(sum(x or 0 for x in (tp, fp, fn, tn)), e.get("calls")) if e else None,
+                "accepts": _ratio((tp or 0) + (fp or 0), e.get("calls")) if e else None,
+                "decision J": _decision_j(e)})
     return out
 
 
+def _decision_j(e: dict):
+    """tp / right - fp / wrong over the attempts an evaluator judged (eval.jsonl's `judged`,
+    `right`); None where they are not logged or one kind is missing."""
+    right, judged = e.get("right"), e.get("judged")
+    if right is None or judged is None or not right or judged - right <= 0:
+        return None
+    return (e.get("tp") or 0) / right - (e.get("fp") or 0) / (judged - right)
+
+
 SKILL = {"aggregator": ("picked", "random", "majority", "oracle"),
-         "evaluator": ("verdicts", "verdict accuracy", "false accept", "false reject")}
+         "evaluator": ("verdicts", "accepts", "verdict accuracy", "false accept", "false reject")}
 
 
 def skill_series(evals: list) -> dict:

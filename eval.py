@@ -25,7 +25,9 @@ Evaluate a base model or a checkpoint through a workflow on a test split:
     gave a verdict (workflows.parse_verdict without a fallback), each compared with the
     generator turn just before it;
   * evaluator, also: false accepts (Correct on a wrong attempt, of the wrong ones) and false
-    rejects (Incorrect on a right one, of the right ones);
+    rejects (Incorrect on a right one, of the right ones); and over every attempt it judged,
+    verdict or not, Youden's J of the workflow's gate (accept on Correct, else revise):
+    decision_j, 0 for a gate that ignores the grade, as one that never says Correct;
   * aggregator: selection accuracy = P(the chosen candidate is correct | at least one of its
     candidates is correct), next to that oracle rate and the plain rate of correct choices,
     and two references over the same candidates: a uniformly random pick (chance: the share
@@ -173,8 +175,12 @@ def _role_outputs(episodes: list) -> dict:
 def _evaluator_quality(episodes: list, correct, parse_verdict) -> dict | None:
     """Each verdict against the generator turn just before it; no verdict counts only in
     verdict_rate. A "Correct" on a wrong attempt is a false accept, an "Incorrect" on a right
-    one a false reject; the rates are over the wrong and the right attempts that got a verdict."""
-    c = {"calls": 0, "verdicts": 0, "tp": 0, "fp": 0, "fn": 0, "tn": 0}
+    one a false reject; the rates are over the wrong and the right attempts that got a verdict.
+    `judged` attempts, `right` of them, count every call after an attempt, verdict or not, for
+    the workflow's decision (accept on Correct, revise otherwise: a missing verdict is Incorrect):
+    decision_j = tp / right - fp / (judged - right), Youden's J of that gate, 0 when it ignores
+    the grade (as one that never accepts does)."""
+    c = {"calls": 0, "verdicts": 0, "tp": 0, "fp": 0, "fn": 0, "tn": 0, "judged": 0, "right": 0}
     for ep in episodes:
         last_gen = None
         for call in ep.calls:
@@ -185,19 +191,24 @@ def _evaluator_quality(episodes: list, correct, parse_verdict) -> dict | None:
             c["calls"] += 1
             if parse_verdict is None or last_gen is None:
                 continue
+            truth = correct(ep, last_gen)
+            c["judged"] += 1
+            c["right"] += bool(truth)
             said_correct, fallback = _unpack(parse_verdict(call.text))
             if fallback or said_correct is None:
                 continue
             c["verdicts"] += 1
-            truth = correct(ep, last_gen)
             c[("tp" if truth else "fp") if said_correct else ("fn" if truth else "tn")] += 1
     if not c["calls"]:
         return None
+    wrong = c["judged"] - c["right"]
     return {"calls": c["calls"], "verdict_rate": _div(c["verdicts"], c["calls"]),
             "precision": _div(c["tp"], c["tp"] + c["fp"]), "recall": _div(c["tp"], c["tp"] + c["fn"]),
             "accuracy": _div(c["tp"] + c["tn"], c["verdicts"]),
             "false_accept": _div(c["fp"], c["fp"] + c["tn"]), "false_reject": _div(c["fn"], c["fn"] + c["tp"]),
-            "confusion": {k: c[k] for k in ("tp", "fp", "fn", "tn")}}
+            "decision_j": c["tp"] / c["right"] - c["fp"] / wrong if c["right"] and wrong else None,
+            "confusion": {k: c[k] for k in ("tp", "fp", "fn", "tn")},
+            "attempts": {"judged": c["judged"], "right": c["right"]}}
 
 
 def _chosen(ep, call, candidates, parse_choice):
@@ -371,7 +382,7 @@ def _skill(quality: dict) -> dict:
         out["aggregator"] = dict(sorted(quality["aggregator"]["counts"].items()))
     if "evaluator" in quality:
         e = quality["evaluator"]
-        out["evaluator"] = dict(sorted({"calls": e["calls"], **e["confusion"]}.items()))
+        out["evaluator"] = dict(sorted({"calls": e["calls"], **e["confusion"], **e["attempts"]}.items()))
     return out   # keys sorted at every level, as merge_records writes them: 1 and N ranks give the same bytes
 
 

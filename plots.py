@@ -17,8 +17,8 @@ Into each run folder (plot_run):
   step (dashed) and the stretch after it: red for a terminal cliff, grey for an early
   collapse; the training reward in its own panel; where the evaluations log them, the
   aggregator's picks against a random pick, the majority vote and the oracle, and the
-  evaluator's verdict accuracy with its false accepts and rejects and its calls' share that
-  gave a verdict (analysis.eval_rates).
+  evaluator's verdict accuracy with its false accepts and rejects and its calls' shares that
+  gave a verdict and that said Correct (analysis.eval_rates).
 - grad.png: per-role gradient norm (per optimizer step when logged; log scale), gradient-mass
   share, slot coherence, and the coherence damping's scale (solid) and cosine (dashed); the
   cliff step marked.
@@ -170,13 +170,13 @@ def _draw_accuracy(Figure, run: dict, s: dict):
 # the supervisors' skill against its references: the pick in the role's colour, the references grey
 SKILL_STYLES = {"picked": ("-", None), "random": (":", "0.35"), "majority": ("--", "0.35"), "oracle": ("-.", "0.6"),
                 "verdict accuracy": ("-", None), "false accept": ("--", "0.35"), "false reject": (":", "0.35"),
-                "verdicts": ("-.", "0.6")}
+                "verdicts": ("-.", "0.6"), "accepts": ("-.", "0.3")}
 
 
 def _skill_panel(ax, who: str, series: dict):
     """The aggregator's picks against a random pick, the majority and the oracle, or the
-    evaluator's verdict accuracy with its false accepts and rejects and the share of its calls
-    that gave a verdict (analysis.eval_rates)."""
+    evaluator's verdict accuracy with its false accepts and rejects and the shares of its calls
+    that gave a verdict and that said Correct (analysis.eval_rates)."""
     for key, pts in series.items():
         ls, color = SKILL_STYLES[key]
         ax.plot([x for x, _ in pts], [100 * y for _, y in pts], ls=ls, marker="o", ms=2.5, lw=1.2,

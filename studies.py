@@ -732,10 +732,12 @@ def skill_lines(study: str, groups: dict) -> list:
     """The supervisors' skill per arm with an aggregator or an evaluator, at the untrained
     workflow (step 0) and at the end (the last evaluation): the aggregator's right picks against
     a uniformly random pick among the same voters (chance) and against the majority vote, with
-    the oracle; the share of the evaluator's calls that gave a verdict, and over those its
-    verdict accuracy, false accepts and rejects, and Youden's J = 1 - false accept - false
-    reject (0: verdicts independent of the attempt's grade, as by chance). Differences over the
-    arm's runs with their interval; kept runs whose evaluations did not log it are "not logged"."""
+    the oracle; the shares of the evaluator's calls that gave a verdict and that said Correct,
+    over its verdicts their accuracy, false accepts and rejects, and Youden's J = 1 - false
+    accept - false reject (0: verdicts independent of the attempt's grade, as by chance), and the
+    J of the workflow's gate over every attempt judged, a missing verdict taken as Incorrect
+    (analysis.eval_rates' "decision J"). Differences over the arm's runs with their interval;
+    kept runs whose evaluations did not log it are "not logged"."""
     st, out = STUDIES[study], []
     for name in [a for a in st.order if a in groups] + sorted(set(groups) - set(st.order)):
         runs = [run for run, _ in groups[name]]
@@ -765,13 +767,17 @@ def _skill_text(who: str, per_run: list) -> str:
         diffs = [("picked minus random", "chance", [x["picked"] - x["random"] for x in per_run]),
                  ("picked minus majority", "the majority vote", [x["picked"] - x["majority"] for x in per_run])]
     else:
-        head = (f"a verdict in {mean('verdicts')}% of its calls; of those, verdict accuracy {mean('verdict accuracy')}%, "
-                f"false accepts {mean('false accept')}%, false rejects {mean('false reject')}%")
-        if per_run and all(x.get("verdicts") == 0 for x in per_run):
-            head += (" (no verdict in any run: a missing one counts as Incorrect, so every attempt was revised "
-                     "whatever its grade, J = 0 by construction)")
-        diffs = [("J", "chance", [100 - x["false accept"] - x["false reject"] for x in per_run
-                                  if x.get("false accept") is not None and x.get("false reject") is not None])]
+        head = (f"a verdict in {mean('verdicts')}% of its calls, a Correct in {mean('accepts')}%; of the verdicts, "
+                f"verdict accuracy {mean('verdict accuracy')}%, false accepts {mean('false accept')}%, "
+                f"false rejects {mean('false reject')}%")
+        if per_run and all(x.get("accepts") == 0 for x in per_run):
+            head += (f" ({'no verdict' if all(x.get('verdicts') == 0 for x in per_run) else 'no Correct'} in any run: "
+                     "a missing verdict counts as Incorrect, so every attempt was revised whatever its grade, "
+                     "and the workflow's gate is at chance by construction, J = 0)")
+        diffs = [("J over its verdicts", "chance", [100 - x["false accept"] - x["false reject"] for x in per_run
+                                                    if x.get("false accept") is not None and x.get("false reject") is not None]),
+                 ("J of the gate (accept on Correct, else revise)", "chance",
+                  [x["decision J"] for x in per_run if x.get("decision J") is not None])]
     parts = []
     for label, against, xs in diffs:
         e = intervals.sample(xs)

@@ -574,10 +574,15 @@ def test_eval_rates_read_the_counts_an_evaluation_logs_and_none_where_it_logs_no
     assert r["cut"] == {"generator": 0.05, "evaluator": 0.0} and r["uncut_acc"] == 0.5     # 20 of 40 uncut
     assert r["verdict accuracy"] == 35 / 50 and r["false accept"] == 10 / 25 and r["false reject"] == 5 / 25
     assert r["verdicts"] == 50 / 60                          # 10 of its 60 calls gave no verdict
+    assert r["accepts"] == 30 / 60 and r["decision J"] is None   # the attempts' grades not logged
+    graded = analysis.eval_rates({**rec, "skill": {"evaluator": {**rec["skill"]["evaluator"], "judged": 60, "right": 28}}})
+    assert graded["decision J"] == pytest.approx(20 / 28 - 10 / 32)   # accepted 20 of 28 right, 10 of 32 wrong
     assert r["picked"] is None and r["random"] is None       # no aggregator in this workflow
     old = analysis.eval_rates({"step": 0, "acc": 0.3, "n": 50, "calls": {"generator": 50}})
     assert all(v is None for v in old.values())             # an older run's record: nothing logged
-    assert analysis.skill_series([rec]) == {"evaluator": {"verdicts": [(10, 50 / 60)], "verdict accuracy": [(10, 0.7)],
+    assert analysis.skill_series([rec]) == {"evaluator": {"verdicts": [(10, 50 / 60)], "accepts": [(10, 0.5)],
+                                                          "verdict accuracy": [(10, 0.7)],
                                                           "false accept": [(10, 0.4)], "false reject": [(10, 0.2)]}}
     mute = analysis.eval_rates({**rec, "skill": {"evaluator": {"calls": 60, "tp": 0, "fp": 0, "fn": 0, "tn": 0}}})
     assert mute["verdicts"] == 0 and mute["verdict accuracy"] is None and mute["false accept"] is None
+    assert mute["accepts"] == 0

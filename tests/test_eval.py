@@ -146,6 +146,9 @@ def test_role_quality_evaluator_and_aggregator(parsers):
     assert e["verdict_rate"] == pytest.approx(4 / 5)
     # a Correct on the wrong attempt (1 of 2 wrong ones), an Incorrect on the right one (1 of 2)
     assert e["false_accept"] == pytest.approx(0.5) and e["false_reject"] == pytest.approx(0.5)
+    # the workflow's gate over all 5 attempts judged (3 right, 2 wrong; no verdict is a revise):
+    # it accepted 1 of the right ones and 1 of the wrong ones
+    assert e["attempts"] == {"judged": 5, "right": 3} and e["decision_j"] == pytest.approx(1 / 3 - 1 / 2)
     assert q["roles"]["generator"]["calls"] == 6 and q["notes"] == []
 
     code = "```python\nprint(2)\n```"

@@ -463,21 +463,30 @@ def test_study_q_reads_the_supervisors_skill_against_chance_the_end_and_the_base
 
 def test_the_evaluators_skill_is_youdens_j_against_chance():
     """J = 1 - false accepts - false rejects: 0 for verdicts that ignore the attempt's grade."""
-    at_chance = {"verdicts": 100.0, "verdict accuracy": 50.0, "false accept": 50.0, "false reject": 50.0}
-    sharp = {"verdicts": 40.0, "verdict accuracy": 90.0, "false accept": 10.0, "false reject": 10.0}
+    at_chance = {"verdicts": 100.0, "accepts": 50.0, "verdict accuracy": 50.0, "false accept": 50.0,
+                 "false reject": 50.0, "decision J": 0.0}
+    sharp = {"verdicts": 40.0, "accepts": 20.0, "verdict accuracy": 90.0, "false accept": 10.0,
+             "false reject": 10.0, "decision J": 30.0}
     text = studies._skill_text("evaluator", [at_chance, sharp, sharp])
-    assert text.startswith("a verdict in 60.0% of its calls; of those, verdict accuracy 76.7%, false accepts 23.3%, "
-                           "false rejects 23.3%; J +53.3 ± 26.7")
+    assert text.startswith("a verdict in 60.0% of its calls, a Correct in 30.0%; of the verdicts, verdict accuracy "
+                           "76.7%, false accepts 23.3%, false rejects 23.3%; J over its verdicts +53.3 ± 26.7")
+    # the gate's J, over every attempt (a missing verdict a revise): +20.0 ± 10.0, t(2) 4.30: [-23.0, +63.0]
+    assert ("J of the gate (accept on Correct, else revise) +20.0 ± 10.0 (95% CI [-23.0, +63.0], n = 3, df 2): "
+            "not told apart from chance (up to 63.0 points could hide)") in text
 
 
 def test_an_evaluator_that_never_gave_a_verdict_is_logged_and_said_so():
     # SmolLM2's evaluator writes a critique but no verdict: its skill is logged (0 verdicts of its
     # calls), not "not logged", and J is 0 by construction (every attempt revised)
-    mute = {"verdicts": 0.0, "verdict accuracy": None, "false accept": None, "false reject": None}
+    mute = {"verdicts": 0.0, "accepts": 0.0, "verdict accuracy": None, "false accept": None, "false reject": None}
     text = studies._skill_text("evaluator", [mute, mute])
-    assert text.startswith("a verdict in 0.0% of its calls; of those, verdict accuracy -%") and "J = 0 by construction" in text
-    unlogged = {**mute, "verdicts": None}   # an evaluation that did not log the share: no claim on it
+    assert text.startswith("a verdict in 0.0% of its calls, a Correct in 0.0%; of the verdicts, verdict accuracy -%")
+    assert "(no verdict in any run:" in text and "at chance by construction, J = 0)" in text
+    unlogged = {**mute, "verdicts": None, "accepts": None}   # an evaluation that did not log it: no claim on it
     assert "by construction" not in studies._skill_text("evaluator", [unlogged, mute])
+    # verdicts, but never a Correct (SmolLM2's Eval-Opt / Shared, seed 0): every attempt revised all the same
+    rejecting = {"verdicts": 0.6, "accepts": 0.0, "verdict accuracy": 0.0, "false accept": None, "false reject": 100.0}
+    assert "(no Correct in any run:" in studies._skill_text("evaluator", [rejecting, mute])
     run = {"config": {"workflow": "eval_opt"}, "evals": [
         {"step": s, "acc": 0.2, "n": 10, "calls": {"generator": 20, "evaluator": 10},
          "skill": {"evaluator": {"calls": 10, "tp": 0, "fp": 0, "fn": 0, "tn": 0}}} for s in (0, 6)]}
