@@ -8,6 +8,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the README's `-n 2`: each worker, and each process its tests start, computes on one thread,
+    # so two workers share two cores without oversubscribing them
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def no_long_run_in_the_repository(monkeypatch):

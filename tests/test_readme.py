@@ -52,8 +52,14 @@ def test_the_reading_path_counts_are_true():
     assert m and abs(int(m.group(1)) - total) <= 0.05 * total   # the prose's round figure
 
 
-def test_the_readme_shows_the_two_commands():
+def test_the_readme_shows_the_two_commands_ci_runs():
+    """The README's first two commands: install and run the main job, and run the tests; CI
+    (.ci/run) installs as the first says (quietly) and runs the second as written."""
     with open(os.path.join(ROOT, "README.md")) as f:
-        text = f.read()
-    assert "pip install torch==2.13.0 -r requirements.txt" in text and "&& python train.py\n" in text
-    assert "python -m pytest -q" in text
+        install_and_run, tests = re.findall(r"```bash\n(.*?)\n```", f.read(), re.S)[:2]
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read().splitlines()
+    assert install_and_run.startswith("pip install torch==2.13.0 -r requirements.txt")
+    *installs, run = install_and_run.split(" && ")
+    assert run == "python train.py" and tests.startswith("python -m pytest -q")
+    assert [c.replace("pip install", "pip install -q", 1) for c in installs] + [tests] == ci[-len(installs) - 1:]
