@@ -329,7 +329,7 @@ def _decision_j(e: dict):
     """tp / right - fp / wrong over the attempts an evaluator judged (eval.jsonl's `judged`,
     `right`); None where they are not logged or one kind is missing."""
     right, judged = e.get("right"), e.get("judged")
-    if right is None or judged is None or not right or judged - right <= 0:
+    if not right or not judged or judged <= right:
         return None
     return (e.get("tp") or 0) / right - (e.get("fp") or 0) / (judged - right)
 
