@@ -9,11 +9,13 @@
 # generator step per training step, then every N=8 run's end evaluated role by role; M0: the map's
 # seed 0, its seven cells; R0: study R's `single` run of SmolLM2-135M-Instruct on arith with seed
 # 0, about 30 minutes on one free core; V0: its Voting arms, shared and isolated, seed 0, about 2
-# hours each; Q0: study Q's seed 0, its five cells). Two drivers given disjoint
-# parts can share a 2-core machine, e.g.
+# hours each; Q0: study Q's seed 0, its five cells; Q1:voting:shared: one of them). Two drivers
+# given disjoint parts can share a 2-core machine, e.g.
 #   bash results/lab.sh ../study A0 A1 B0 B1 B2 L0 L1 L2 &  bash results/lab.sh ../study A2 C0 C1 C2 C3 C4 &
 # Rerunning resumes: sweep.py skips done cells and resumes interrupted ones. On a new machine,
-# first put the kept runs back: python studies.py restore STUDY ../study (for each study).
+# first put the kept runs back: python studies.py restore STUDY ../study (for each study). Before a
+# deadline (a session's end, a job's time limit), `bash results/stop_by.sh HH:MM` kills the drivers
+# and stops each run in the last step that lets it save by then.
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)   # this checkout: its studies.py evaluates the worktree's runs
 cd "${1:-.}"; shift
@@ -73,13 +75,18 @@ real_voting() {
 # both sharings, 4 problems a step for every workflow (the same problems per step, as the paper's)
 Q="--problems-per-step 4 --group-size 8 --steps 48 --eval-every 6 --eval-problems 0 --lr 1e-4 --warmup-steps 2
    --lora-rank 16 --grad-checkpointing off --device cpu"
-q_study() {   # seed $1, each cell in turn; Eval-Opt at one evaluator round (docs/RESULTS.md, Q: its pilot)
-  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows single voting --sharings shared --seeds $1 --out runs/q -- $Q
+q_cell() {    # seed $1, workflow $2, sharing $3; Eval-Opt at one evaluator round (docs/RESULTS.md, Q: its pilot)
+  local extra=""
+  [ "$2" = eval_opt ] && extra="--eval-rounds 1"
   # Voting / Isolated from seed 1 on with gradient checkpointing, the same numbers bit for bit (analysis.SAME_RUN):
   # its aggregator's own mini-batch of 32 prompts, three answers each, kept 17 GB of activations without it
-  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows voting --sharings isolated --seeds $1 --out runs/q -- $Q \
-    $([ "$1" = 0 ] || echo --grad-checkpointing on)
-  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows eval_opt --seeds $1 --out runs/q -- $Q --eval-rounds 1
+  [ "$2:$3" = voting:isolated ] && [ "$1" != 0 ] && extra="--grad-checkpointing on"
+  python sweep.py --jobs 1 --scale smollm2-135m --tasks arith --workflows $2 --sharings $3 --seeds $1 --out runs/q -- $Q $extra
+}
+q_study() {   # seed $1, each cell in turn
+  for cell in single:shared voting:shared voting:isolated eval_opt:shared eval_opt:isolated; do
+    q_cell $1 ${cell%:*} ${cell#*:}
+  done
 }
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(A0 A1 A2 B0 B1 B2 C0 C1 C2 C3 C4 L0 L1 L2 D00 D01 D02 D10 D11 D20 D21 E00 E01 E02 E10 E11 E20 E21 F00 F01 F02 F10 F11 F20 F21 M0 M1 M2 M3 R0 R1 R2)
@@ -96,7 +103,8 @@ for p in "${parts[@]}"; do
     R?) real ${p:1} ;;
     V?) real_voting ${p:1} ;;
     Q?) q_study ${p:1} ;;
-    *) echo "lab.sh: unknown part $p (A0-A2, B0-B2, C0-C4, L0-L2, D00-D21, E00-E21, F00-F21, M0-M9, R0-R2, V0-V2, Q0-Q9)" >&2; exit 2 ;;
+    Q?:*:*) w=${p#*:}; q_cell ${p:1:1} ${w%:*} ${w#*:} ;;
+    *) echo "lab.sh: unknown part $p (A0-A2, B0-B2, C0-C4, L0-L2, D00-D21, E00-E21, F00-F21, M0-M9, R0-R2, V0-V2, Q0-Q9, Q1:voting:shared)" >&2; exit 2 ;;
   esac
 done
 echo "study: parts ${parts[*]} done"
