@@ -14,6 +14,7 @@ pattern=${2:-.}; eval_s=${3:-600}; margin=60
 [ "$deadline" -gt "$(date +%s)" ] || { echo "stop_by.sh: $1 UTC has passed" >&2; exit 2; }
 pkill -KILL -f -- "${DRIVERS:-lab\.sh}" && echo "$(date -u +%T) drivers killed"
 declare -A sent
+ev() { [ "$every" -gt 0 ] && [ $(($1 % every)) -eq 0 ] && echo "$eval_s" || echo 0; }   # step $1's evaluation
 matching() {   # the pids of the runs PATTERN names
   for pid in $(pgrep -f "train.py --"); do
     [[ $(tr '\0' ' ' < /proc/$pid/cmdline 2>/dev/null) =~ $pattern ]] && echo "$pid"
@@ -29,15 +30,16 @@ import json, re, sys, statistics
 out, cmd = sys.argv[1], sys.argv[2]
 flag = lambda name, d: int(re.search(rf"--{name} (\d+)", cmd).group(1)) if re.search(rf"--{name} (\d+)", cmd) else d
 try:
-    times = [json.loads(l)["time"]["step"] for l in open(f"{out}/metrics.jsonl")]
+    records = [json.loads(l) for l in open(f"{out}/metrics.jsonl")]
 except OSError:
-    times = []
-print(len(times), flag("steps", 0), flag("eval-every", 0), int(statistics.median(times)) if times else 600)
+    records = []
+times = [r["time"]["step"] for r in records]
+print(records[-1]["step"] if records else 0, flag("steps", 0), flag("eval-every", 0),
+      int(statistics.median(times)) if times else 600)
 PY
 )
     now=$(date +%s); mtime=$(stat -c %Y "$out/metrics.jsonl" 2>/dev/null || echo "$now")
-    cur=$((last + 1)); [ "$cur" -ge "$steps" ] && continue           # its last step: let it finish
-    ev() { [ "$every" -gt 0 ] && [ $(($1 % every)) -eq 0 ] && echo "$eval_s" || echo 0; }
+    cur=$((last + 1)); [ "$steps" -gt 0 ] && [ "$cur" -ge "$steps" ] && continue   # its last step: let it finish
     end_cur=$((mtime + $(ev "$last") + med)); [ "$end_cur" -lt "$now" ] && end_cur=$now
     end_next=$((end_cur + $(ev "$cur") + med + $(ev $((cur + 1))) + margin))
     if [ "$end_next" -gt "$deadline" ]; then
