@@ -666,21 +666,11 @@ def report_text(study: str) -> str:
     lent = sum(len(r) for r in groups.values()) - n
     borrowed = f" and {lent} of results/{st.borrows}/ (the arms they share)" if st.borrows else ""
     parts = [f"{n} run{'s' if n != 1 else ''} in results/{study}/{borrowed}, from {code}. "
-             "Accuracy in %, mean ± standard error over seeds (two seeds: no error, n=2); outcomes: terminal "
+             "Accuracy in % (base: at step 0; peak: the best evaluation; final: the last one), mean ± standard "
+             "error over seeds (two seeds: no error, n=2); outcomes: terminal "
              "cliffs / early collapses / runs that did not learn, of n, at two drops D (analysis.OUTCOME_RULE, "
              f"a learned peak {analysis.LEARN_MARGIN:g} points above step 0); contrasts: mean, standard error and "
-             "t-based 95% interval, paired where the arms share a unit (intervals.py); mechanisms: means over seeds "
-             "(displacement: the adapter's move per training step; len: tokens in the last tenth "
-             "of training; parse_fail: at the last evaluation; share: of the step's gradient mass"
-             + ("; move_cos: cosine between the role's descent direction and the shared adapter's "
-                "move, whose displacement is shown once, under the first role" if "move_cos" in st.mechanisms else "")
-             + ("; deepest dip: " + analysis.DIP_RULE + f" (D = {SENSITIVITY[0]:g})" if "dip" in st.measures else "")
-             + ("; len0: tokens in the first tenth of training" if "len0" in st.mechanisms else "")
-             + ("; step_s: median wall seconds of a training step, under the first role" if "step_s" in st.mechanisms else "")
-             + ("; own_change: the run's end minus its untrained model, in points, of the generator's own accuracy "
-                "(one voter) and of the aggregator's selection accuracy (right picks when some voter is right)"
-                if "own_change" in st.mechanisms else "")
-             + ").",
+             "t-based 95% interval, paired where the arms share a unit (intervals.py)" + _glossary(st) + ".",
              "", table(study, rows), "", *contrast_lines(study, rows, groups)]
     if st.gains:
         parts += ["", *gain_lines(study, rows)]
@@ -695,6 +685,31 @@ def report_text(study: str) -> str:
     if base:
         parts += ["", *base]
     return "\n".join(parts).rstrip()
+
+
+MECHANISM_TEXT = {   # what a block's header says of each mechanism column it shows, in this order
+    "displacement": "displacement: the adapter's move per training step",
+    "len": "len: tokens a call of the role wrote in the training rollouts of the last tenth of the steps",
+    "parse_fail": "parse_fail: at the last evaluation",
+    "share": "share: of the step's gradient mass",
+    "move_cos": "move_cos: cosine between the role's descent direction and the shared adapter's move, whose "
+                "displacement is shown once, under the first role",
+    "paid_apart": "paid_apart: the share of the role's calls paid a reward other than their episode's",
+    "damp_scale": "damp_scale: the factor coherence damping put on the role's gradient (damping.py), over the steps",
+    "len0": "len0: as len, over the first tenth of the steps",
+    "step_s": "step_s: median wall seconds of a training step, under the first role",
+    "own_change": "own_change: the run's end minus its untrained model, in points, of the generator's own "
+                  "accuracy (one voter) and of the aggregator's selection accuracy (right picks when some voter "
+                  "is right)",
+}
+
+
+def _glossary(st) -> str:
+    """The header's words on the block's mechanism columns (and the deepest dip, if it is a measure)."""
+    said = [text for name, text in MECHANISM_TEXT.items() if name in st.mechanisms]
+    if "dip" in st.measures:
+        said.append("deepest dip: " + analysis.DIP_RULE + f" (D = {SENSITIVITY[0]:g})")
+    return "; mechanisms: means over seeds (" + "; ".join(said) + ")" if said else ""
 
 
 def base_rate_lines(study: str) -> list:
@@ -747,7 +762,7 @@ def skill_lines(study: str, groups: dict) -> list:
             if not logged:
                 out.append(f"- the {who}'s skill, {name}: not logged (its runs' evaluations predate eval.jsonl's `skill`)")
                 continue
-            for when, where in (("step 0", 0), ("end", -1)):
+            for when, where in (("step 0", 0), ("the last evaluation", -1)):
                 out.append(f"- the {who}'s skill, {name}, {when}: " + _skill_text(who, [_skill_at(r, where) for r in logged]))
     return out
 

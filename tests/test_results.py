@@ -446,10 +446,10 @@ def test_study_q_reads_the_supervisors_skill_against_chance_the_end_and_the_base
     assert "| voting, isolated | 0,1,2 |" in text and "dipped 30.0 points and recovered" not in text
     # voting isolated: the end 46.7 against shared's 56.7+; its peak 60 against 60-62
     assert "- peak accuracy, voting, isolated minus voting, shared, paired by seed, in points: -1.0 ± 0.6" in text
-    # step 0: 30 of 100 right picks against a random pick's 90/300 = 30%; the end: 60-62 against 50%
+    # step 0: 30 of 100 right picks against a random pick's 90/300 = 30%; the last evaluation: 60-62 against 50%
     assert ("- the aggregator's skill, voting, shared, step 0: picks right 30.0% (random pick 30.0%, majority 40.0%, "
             "oracle 70.0%); picked minus random +0.0 (n = 3, all equal: no spread to give an interval)") in text
-    assert "- the aggregator's skill, voting, shared, end: picks right 61.0% (random pick 50.0%" in text
+    assert "- the aggregator's skill, voting, shared, the last evaluation: picks right 61.0% (random pick 50.0%" in text
     assert "picked minus random +11.0 ± 0.6 (95% CI [+8.5, +13.5], n = 3, df 2): above chance" in text
     assert "picked minus majority +21.0 ± 0.6 (95% CI [+18.5, +23.5], n = 3, df 2): above the majority vote" in text
     assert "- the aggregator's skill, voting, isolated: not logged" in text
@@ -492,7 +492,7 @@ def test_an_evaluator_that_never_gave_a_verdict_is_logged_and_said_so():
          "skill": {"evaluator": {"calls": 10, "tp": 0, "fp": 0, "fn": 0, "tn": 0}}} for s in (0, 6)]}
     lines = studies.skill_lines("q", {"eval_opt, isolated": [(run, None)]})
     assert [line.split(":")[0] for line in lines] == ["- the evaluator's skill, eval_opt, isolated, step 0",
-                                                     "- the evaluator's skill, eval_opt, isolated, end"]
+                                                     "- the evaluator's skill, eval_opt, isolated, the last evaluation"]
 
 
 def test_a_skill_difference_whose_interval_holds_0_is_not_told_apart_from_chance():
@@ -500,3 +500,15 @@ def test_a_skill_difference_whose_interval_holds_0_is_not_told_apart_from_chance
     assert studies._against(e, "chance") == ": not told apart from chance (up to 6.0 points could hide)"
     assert studies._against(intervals.sample([-5.0, -6.0, -7.0]), "the majority vote") == ": below the majority vote"
     assert studies._against(intervals.sample([2.0, 2.0]), "chance") == ""   # two units: no interval
+
+
+def test_every_block_header_defines_its_columns():
+    """A study's mechanism column the header does not define is a number a reader cannot read:
+    every mechanism any study shows has its words, and the header says which evaluation `final` is."""
+    for name, st in studies.STUDIES.items():
+        assert set(st.mechanisms) <= set(studies.MECHANISM_TEXT), name
+    head = studies._glossary(studies.STUDIES["q"])
+    assert "len0: as len, over the first tenth of the steps" in head and "displacement" not in head
+    for name in studies.STUDIES:
+        first = studies.read_block(name).split("\n", 1)[0]
+        assert "final: the last one" in first and "; mechanisms: means over seeds (" in first, name
