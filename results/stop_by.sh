@@ -17,17 +17,18 @@ declare -A sent
 ev() { [ "$every" -gt 0 ] && [ $(($1 % every)) -eq 0 ] && echo "$eval_s" || echo 0; }   # step $1's evaluation
 matching() {   # the pids of the runs PATTERN names
   for pid in $(pgrep -f "train.py --"); do
-    [[ $(tr '\0' ' ' < /proc/$pid/cmdline 2>/dev/null) =~ $pattern ]] && echo "$pid"
+    [[ $(tr '\0' ' ' 2>/dev/null < /proc/$pid/cmdline) =~ $pattern ]] && echo "$pid"
   done
 }
 while pids=$(matching); [ -n "$pids" ]; do
   for pid in $pids; do
-    cmd=$(tr '\0' ' ' < /proc/$pid/cmdline 2>/dev/null) || continue
+    cmd=$(tr '\0' ' ' 2>/dev/null < /proc/$pid/cmdline) || continue
     [ -n "${sent[$pid]:-}" ] && continue
     out=$(sed -E 's/.*--out ([^ ]+).*/\1/' <<< "$cmd")
-    read -r last steps every med < <(python3 - "$out" "$cmd" <<'PY'
-import json, re, sys, statistics
-out, cmd = sys.argv[1], sys.argv[2]
+    # the command line goes by the environment: in argv it would make this helper a "train.py --" process
+    read -r last steps every med < <(RUN_CMD=$cmd RUN_OUT=$out python3 - <<'PY'
+import json, os, re, statistics
+out, cmd = os.environ["RUN_OUT"], os.environ["RUN_CMD"]
 flag = lambda name, d: int(re.search(rf"--{name} (\d+)", cmd).group(1)) if re.search(rf"--{name} (\d+)", cmd) else d
 try:
     records = [json.loads(l) for l in open(f"{out}/metrics.jsonl")]
