@@ -9,6 +9,7 @@
 #   of the run's metrics.jsonl; a step ending in an evaluation (--eval-every) adds EVAL_SECONDS
 #   (default 600). A run in its last step is left to finish. Run it with nohup, early.
 set -u
+[ $# -ge 1 ] || { echo "usage: stop_by.sh HH:MM [PATTERN] [EVAL_SECONDS]" >&2; exit 2; }
 deadline=$(date -u -d "today $1" +%s) || exit 2
 pattern=${2:-.}; eval_s=${3:-600}; margin=60
 [ "$deadline" -gt "$(date +%s)" ] || { echo "stop_by.sh: $1 UTC has passed" >&2; exit 2; }
